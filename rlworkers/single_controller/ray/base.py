@@ -1,0 +1,312 @@
+"""The Ray backend: RayResourcePool (placement groups), RayClassWithInitArgs (actor factory), RayWorkerGroup.
+
+Names and signatures follow ``verl.single_controller.ray`` so that a verl worker ports by changing imports.
+Colocation (several roles in one actor) lives in ``colocate.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlworkers.protocol import DataProto, DataProtoFuture
+from rlworkers.single_controller.base.decorator import WITH_LEN_KEY, Execute, collect_dp_compute_data_proto
+from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
+from rlworkers.single_controller.errors import PlacementError, WorkerError, get_with_rank
+
+
+class RayResourcePool(ResourcePool):
+    """Worker slots on a Ray cluster: one placement group per entry of ``process_on_nodes``.
+
+    Each worker gets a bundle of ``cpus_per_worker * max_colocate_count`` CPUs (and one GPU if ``use_gpu``);
+    up to ``max_colocate_count`` worker groups may share the pool (each actor asks for its share).
+    Placement that cannot succeed raises ``PlacementError`` at once; placement that waits on busy resources
+    raises after ``placement_timeout_s``. Both name what was asked for and what the cluster has.
+    """
+
+    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = True, name_prefix: str | None = None,
+                 max_colocate_count: int = 10, detached: bool = False, accelerator_type: str | None = None,
+                 cpus_per_worker: float = 1.0, placement_timeout_s: float = 60.0):
+        super().__init__(process_on_nodes, max_colocate_count)
+        self.use_gpu = use_gpu
+        self.name_prefix = name_prefix if name_prefix is not None else f"rlflow_{uuid.uuid4().hex[:6]}_"
+        self.detached = detached
+        self.accelerator_type = accelerator_type
+        self.cpus_per_worker = cpus_per_worker
+        self.placement_timeout_s = placement_timeout_s
+        self.pgs: list[PlacementGroup] | None = None
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.cpus_per_worker * self.max_colocate_count}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        if self.accelerator_type:
+            bundle[self.accelerator_type] = 1e-4
+        return bundle
+
+    def _check_placeable(self) -> None:
+        bundle = self.bundle()
+        totals = ray.cluster_resources()
+        wanted = {k: v * self.world_size for k, v in bundle.items()}
+        short = {k: v for k, v in wanted.items() if totals.get(k, 0) < v}
+        node_max = {}
+        for node in ray.nodes():
+            if node.get("Alive"):
+                for key, value in node.get("Resources", {}).items():
+                    node_max[key] = max(node_max.get(key, 0), value)
+        too_big = {k: v for k, v in bundle.items() if node_max.get(k, 0) < v}
+        if short or too_big:
+            raise PlacementError(
+                f"resource pool {self.store} cannot be placed: it asks for {wanted} in all "
+                f"({self.world_size} bundles of {bundle}); the cluster has {_resources(totals, wanted)} in all and "
+                f"at most {_resources(node_max, bundle)} on one node. Fix: lower max_colocate_count "
+                f"(now {self.max_colocate_count}) or cpus_per_worker (now {self.cpus_per_worker}), use fewer workers, "
+                f"pass use_gpu=False on CPU machines, or start Ray with more resources (ray.init(num_cpus=...))."
+            )
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
+                             device_name: str = "cuda") -> list[PlacementGroup]:
+        if self.pgs is not None:
+            return self.pgs
+        self._check_placeable()
+        lifetime = "detached" if self.detached else None
+        pgs = [
+            placement_group([self.bundle()] * count, strategy=strategy, lifetime=lifetime,
+                            name=f"{name or self.name_prefix}group_{'_'.join(map(str, self.store))}:{idx}")
+            for idx, count in enumerate(self.store)
+        ]
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)
+        if len(ready) < len(pgs):
+            available = ray.available_resources()
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise PlacementError(
+                f"resource pool {self.store} was not placed within {self.placement_timeout_s:.0f}s: "
+                f"it asks for {len(self.store)} placement group(s) of bundles {self.bundle()}; resources free now: "
+                f"{_resources(available, self.bundle())}. Other pools or actors hold the rest: shut them down, "
+                "or raise placement_timeout_s if they will finish."
+            )
+        self.pgs = pgs
+        return pgs
+
+    def remove(self) -> None:
+        """Release the placement groups (the pool can be placed again later)."""
+        for pg in self.pgs or []:
+            remove_placement_group(pg)
+        self.pgs = None
+
+
+def _resources(available: dict, keys: dict) -> dict:
+    return {k: round(available.get(k, 0), 3) for k in keys}
+
+
+class RayClassWithInitArgs(ClassWithInitArgs):
+    """A worker class (plain or ``ray.remote``) and its constructor arguments; calling it starts an actor."""
+
+    def __init__(self, cls, *args, **kwargs):
+        super().__init__(cls, *args, **kwargs)
+        self.user_cls = getattr(cls, "__ray_actor_class__", cls)
+        self._actor_cls = cls if hasattr(cls, "__ray_actor_class__") else None
+        self._options: dict[str, Any] = {}
+        self._additional_resource: dict[str, float] = {}
+
+    def update_options(self, options: dict) -> None:
+        self._options.update(options)
+
+    def set_additional_resource(self, additional_resource: dict) -> None:
+        self._additional_resource = dict(additional_resource)
+
+    def __call__(self, placement_group: PlacementGroup, placement_group_bundle_idx: int, use_gpu: bool = True,
+                 num_gpus: float = 1, num_cpus: float = 1, env_vars: dict | None = None, name: str | None = None,
+                 detached: bool = False):
+        options = copy.deepcopy(self._options)
+        runtime_env = options.pop("runtime_env", {}) or {}
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **(env_vars or {})}
+        options.update(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=placement_group_bundle_idx),
+            runtime_env=runtime_env,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus if use_gpu else 0,
+        )
+        if self._additional_resource:
+            options["resources"] = dict(self._additional_resource)
+        if name:
+            options["name"] = name
+        if detached:
+            options["lifetime"] = "detached"
+        if self._actor_cls is None:
+            self._actor_cls = ray.remote(self.user_cls)
+        return self._actor_cls.options(**options).remote(*self.args, **self.kwargs)
+
+
+def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn: Callable, collect_fn: Callable,
+                   execute_mode, blocking: bool) -> Callable:
+    """The controller-side method: dispatch -> run on the ranks -> (wait) -> collect."""
+    chain_as_future = not blocking and collect_fn is collect_dp_compute_data_proto
+
+    def call(*args, **kwargs):
+        args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
+        ranks = list(range(worker_group.world_size)) if execute_mode is Execute.ALL else [0]
+        refs = worker_group._execute_per_rank(method_name, args, kwargs, ranks, return_len=chain_as_future)
+        if chain_as_future:
+            return DataProtoFuture([r[0] for r in refs], [r[1] for r in refs], method=method_name, ranks=ranks)
+        if not blocking:
+            return refs if execute_mode is Execute.ALL else refs[0]
+        outputs = get_with_rank(refs, ranks, method_name)
+        return collect_fn(worker_group, outputs if execute_mode is Execute.ALL else outputs[0])
+
+    call.__name__ = call.__qualname__ = method_name
+    return call
+
+
+class RayWorkerGroup(WorkerGroup):
+    """Ray actors of one worker class placed on a RayResourcePool, with the class's registered methods bound."""
+
+    def __init__(self, resource_pool: RayResourcePool | None = None, ray_cls_with_init: RayClassWithInitArgs = None,
+                 bin_pack: bool = True, name_prefix: str | None = None, detached: bool = False,
+                 worker_names: list[str] | None = None, worker_handles: list | None = None,
+                 worker_env: dict[str, str] | None = None):
+        super().__init__(resource_pool)
+        if ray_cls_with_init is None:
+            raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
+        self.ray_cls_with_init = ray_cls_with_init
+        self.name_prefix = name_prefix if name_prefix is not None else f"{uuid.uuid4().hex[:6]}_"
+        self.resource_pool = resource_pool
+        protected = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+        clash = protected & set(worker_env or {})
+        if clash:
+            raise ValueError(f"worker_env may not set {sorted(clash)}: the worker group sets them")
+        if worker_handles is not None:
+            self._workers = list(worker_handles)
+            self._worker_names = list(worker_names or [])
+        elif worker_names is not None:
+            self._workers = [ray.get_actor(name) for name in worker_names]
+            self._worker_names = list(worker_names)
+        elif resource_pool is not None:
+            self._init_with_resource_pool(resource_pool, bin_pack, detached, dict(worker_env or {}))
+        else:
+            raise ValueError("RayWorkerGroup needs a resource_pool, worker_names or worker_handles")
+        self._bind_worker_method(ray_cls_with_init.user_cls, func_generator)
+
+    @classmethod
+    def from_detached(cls, name_prefix: str | None = None, worker_names: list[str] | None = None,
+                      worker_handles: list | None = None, ray_cls_with_init: RayClassWithInitArgs = None):
+        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
+                   worker_names=worker_names, worker_handles=worker_handles)
+
+    def _init_with_resource_pool(self, pool: RayResourcePool, bin_pack: bool, detached: bool, worker_env: dict):
+        pgs = pool.get_placement_groups(strategy="STRICT_PACK" if bin_pack else "PACK")
+        world_size = pool.world_size
+        cls_name = self.ray_cls_with_init.user_cls.__name__
+        num_gpus = 1 / pool.max_colocate_count if pool.use_gpu else 0
+        rank = 0
+        for pg_idx, (pg, local_world_size) in enumerate(zip(pgs, pool.store)):
+            for local_rank in range(local_world_size):
+                env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                       "LOCAL_WORLD_SIZE": str(local_world_size), "WG_PREFIX": self.name_prefix, "WG_BACKEND": "ray",
+                       **worker_env}
+                if rank > 0:
+                    env.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port))
+                name = f"{self.name_prefix}{cls_name}_{pg_idx}:{local_rank}"
+                worker = self.ray_cls_with_init(pg, local_rank, use_gpu=pool.use_gpu, num_gpus=num_gpus,
+                                                num_cpus=pool.cpus_per_worker, env_vars=env, name=name,
+                                                detached=detached)
+                self._workers.append(worker)
+                self._worker_names.append(name)
+                if rank == 0:  # rank 0 binds the rendezvous port; the others are created knowing it
+                    try:
+                        self._master_addr, self._master_port = ray.get(worker.get_master_addr_port.remote())
+                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+                        raise WorkerError(0, f"{cls_name}.__init__", error) from error
+                rank += 1
+        # Surface constructor errors now, with the rank, rather than at the first call.
+        get_with_rank([w.__ray_ready__.remote() for w in self._workers], list(range(world_size)), f"{cls_name}.__init__")
+
+    # ------------------------------------------------------------------------------------------- properties
+    @property
+    def worker_names(self) -> list[str]:
+        return self._worker_names
+
+    @property
+    def workers(self) -> list:
+        return self._workers
+
+    @property
+    def master_address(self) -> str | None:
+        return self._master_addr
+
+    @property
+    def master_port(self) -> str | None:
+        return self._master_port
+
+    def share(self, value: Any) -> Any:
+        # Store large broadcast values once; every rank then reads the same object instead of its own copy.
+        if isinstance(value, (DataProto, torch.Tensor, np.ndarray)):
+            return ray.put(value)
+        return value
+
+    # ------------------------------------------------------------------------------------------- execution
+    def _execute_per_rank(self, method_name: str, args: tuple, kwargs: dict, ranks: list[int],
+                          return_len: bool = False) -> list:
+        for name, value in [*enumerate(args), *kwargs.items()]:
+            if not isinstance(value, (list, tuple)) or len(value) != self.world_size:
+                raise TypeError(
+                    f"the dispatch function for {method_name!r} must return one value per rank "
+                    f"({self.world_size}) for every argument; argument {name!r} is {type(value).__name__}"
+                )
+        refs = []
+        for rank in ranks:
+            rank_kwargs = {k: v[rank] for k, v in kwargs.items()}
+            method = getattr(self._workers[rank], method_name)
+            if return_len:
+                rank_kwargs[WITH_LEN_KEY] = True
+                method = method.options(num_returns=2)
+            refs.append(method.remote(*(a[rank] for a in args), **rank_kwargs))
+        return refs
+
+    def execute_all_async(self, method_name: str, *args, **kwargs) -> list:
+        """Call ``method_name`` on every rank with the same arguments; returns one ObjectRef per rank."""
+        return [getattr(worker, method_name).remote(*args, **kwargs) for worker in self._workers]
+
+    def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
+        return get_with_rank(self.execute_all_async(method_name, *args, **kwargs), list(range(self.world_size)),
+                             method_name)
+
+    execute_all = execute_all_async
+
+    def execute_rank_zero_async(self, method_name: str, *args, **kwargs):
+        return getattr(self._workers[0], method_name).remote(*args, **kwargs)
+
+    def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
+        return get_with_rank([self.execute_rank_zero_async(method_name, *args, **kwargs)], [0], method_name)[0]
+
+    execute_rank_zero = execute_rank_zero_async
+
+    # ------------------------------------------------------------------------------------------- colocation
+    def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
+        """One group per role of a colocated worker class, all sharing these actors."""
+        role_classes = getattr(self.ray_cls_with_init, "role_classes", None)
+        if role_classes is None:
+            raise ValueError("spawn() needs a group built from create_colocated_worker_cls(...)")
+        groups = {}
+        for prefix in prefix_set:
+            group = copy.copy(self)
+            group.__dict__ = {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
+            group._bind_worker_method(role_classes[prefix], func_generator, remote_prefix=f"{prefix}_")
+            groups[prefix] = group
+        return groups
+
+    def shutdown(self) -> None:
+        """Kill this group's actors (its resource pool stays placed; call ``pool.remove()`` to free it)."""
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers = []
