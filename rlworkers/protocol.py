@@ -356,10 +356,12 @@ class DataProto:
 def _tensor_to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
     tensor = tensor.detach().cpu().contiguous()
     # numpy has no bfloat16 (and friends): ship the raw bytes and the dtype name.
-    return tensor.view(torch.uint8).numpy(), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+    return tensor.reshape(-1).view(torch.uint8).numpy(), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
 
 def _numpy_to_tensor(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if raw.size == 0:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
     if not raw.flags.writeable:  # buffers from Ray's object store are read-only
         raw = raw.copy()
     return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)

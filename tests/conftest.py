@@ -15,9 +15,9 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        # 8 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests.
+        # 16 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests.
         ray.init(
-            num_cpus=8,
+            num_cpus=16,
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},

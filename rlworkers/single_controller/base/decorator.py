@@ -284,6 +284,7 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocki
                 args, kwargs, pad, with_len = prepare(args, kwargs)
                 return finish(func(self, *args, **kwargs), pad, _input_rows(args, kwargs), with_len)
 
+        del inner.__wrapped__  # Ray checks calls against the signature; the hidden keywords must pass
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,
                                     "blocking": blocking})
         return inner

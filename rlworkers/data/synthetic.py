@@ -1,0 +1,122 @@
+"""Built-in synthetic task that the tiny character-level model can learn: integer addition.
+
+``make_addition_dataset(out_dir)`` writes ``train.parquet`` and ``validation.parquet`` with one row per
+problem and the columns
+
+    prompt       "12+34="        short and character-level (the tiny tokenizer has one token per character)
+    answer       "46"            the ground truth for rule rewards (rlworkers.rewards "exact")
+    response     "46"            the SFT target (the tokenizer's eos is appended by the SFT collator, not here)
+    data_source  "addition"      selects the default reward (rlworkers.rewards.registry.DATA_SOURCE_DEFAULTS)
+    extra_info   {"split", "index", "a", "b"}
+
+Operands are drawn uniformly from ``[0, 10**max_digits)``; every (a, b) pair appears at most once across both
+splits, so train and validation are disjoint. The output depends only on the arguments (numpy Generator seeded
+with ``seed``). ``out_dir`` may be a local folder or an fsspec URL.
+
+    python -c "from rlworkers.data import make_addition_dataset; make_addition_dataset('data/addition')"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+DATA_SOURCE = "addition"
+SPLIT_FILES = {"train": "train.parquet", "validation": "validation.parquet"}
+META_FILE = "meta.json"
+
+
+def sample_operand_pairs(count: int, *, max_digits: int, seed: int) -> list[tuple[int, int]]:
+    """Return ``count`` distinct (a, b) pairs with ``0 <= a, b < 10**max_digits``, in a seed-determined order.
+
+    Raises:
+        ValueError: more pairs asked for than exist.
+    """
+    if max_digits < 1:
+        raise ValueError(f"max_digits must be >= 1, got {max_digits}")
+    limit = 10**max_digits
+    if count > limit * limit:
+        raise ValueError(f"asked for {count} problems but only {limit * limit} exist with max_digits={max_digits}")
+    rng = np.random.default_rng(seed)
+    seen: set[tuple[int, int]] = set()
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < count:
+        for a, b in rng.integers(0, limit, size=(count - len(pairs), 2)).tolist():
+            if (a, b) not in seen:
+                seen.add((a, b))
+                pairs.append((a, b))
+    return pairs
+
+
+def addition_row(a: int, b: int, *, split: str, index: int) -> dict:
+    """One dataset row for ``a + b``."""
+    answer = str(a + b)
+    return {
+        "prompt": f"{a}+{b}=",
+        "answer": answer,
+        "response": answer,
+        "data_source": DATA_SOURCE,
+        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+    }
+
+
+def addition_rows(*, num_train: int, num_val: int, max_digits: int, seed: int) -> dict[str, list[dict]]:
+    """The rows of both splits: ``{"train": [...], "validation": [...]}``, disjoint by construction."""
+    pairs = sample_operand_pairs(num_train + num_val, max_digits=max_digits, seed=seed)
+    splits = {"train": pairs[:num_train], "validation": pairs[num_train:]}
+    return {
+        split: [addition_row(a, b, split=split, index=i) for i, (a, b) in enumerate(split_pairs)]
+        for split, split_pairs in splits.items()
+    }
+
+
+def make_addition_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    num_train: int = 2000,
+    num_val: int = 200,
+    max_digits: int = 2,
+    seed: int = 0,
+) -> dict[str, str]:
+    """Write the addition task to ``out_dir`` and return ``{"train": url, "validation": url}``."""
+    out_dir = os.fspath(out_dir)
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    rows = addition_rows(num_train=num_train, num_val=num_val, max_digits=max_digits, seed=seed)
+    paths = {}
+    for split, split_rows in rows.items():
+        paths[split] = _join(out_dir, SPLIT_FILES[split])
+        with fsspec.open(paths[split], "wb") as f:
+            pq.write_table(pa.Table.from_pylist(split_rows), f)
+    meta = {"num_train": num_train, "num_val": num_val, "max_digits": max_digits, "seed": seed}
+    with fsspec.open(_join(out_dir, META_FILE), "w") as f:
+        json.dump(meta, f)
+    logger.info("wrote addition dataset (%d train, %d validation) to %s", num_train, num_val, out_dir)
+    return paths
+
+
+def ensure_addition_dataset(out_dir: str | os.PathLike, **params) -> dict[str, str]:
+    """Like make_addition_dataset, but reuse the files in ``out_dir`` when they were made with the same
+    parameters (recorded in ``meta.json``)."""
+    out_dir = os.fspath(out_dir)
+    wanted = {"num_train": 2000, "num_val": 200, "max_digits": 2, "seed": 0, **params}
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    paths = {split: _join(out_dir, name) for split, name in SPLIT_FILES.items()}
+    meta_path = _join(out_dir, META_FILE)
+    if fs.exists(_join(root, META_FILE)) and all(fs.exists(_join(root, n)) for n in SPLIT_FILES.values()):
+        with fsspec.open(meta_path, "r") as f:
+            if json.load(f) == wanted:
+                return paths
+    return make_addition_dataset(out_dir, **wanted)
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name

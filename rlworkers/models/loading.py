@@ -1,0 +1,111 @@
+"""Load a causal LM and its tokenizer, by local path or hub name, ready for generation and training.
+
+``load_model_and_tokenizer(name_or_path)`` wraps ``AutoModelForCausalLM`` / ``AutoTokenizer`` and:
+
+- maps ``dtype`` names ("float32", "bfloat16", "float16") to torch dtypes (bf16/fp16 are for GPU configs;
+  CPU runs use float32);
+- sets ``pad_token`` to ``eos_token`` when the tokenizer has none, and ``padding_side="left"`` so batched
+  prompts end where generation starts;
+- resolves the special name ``"tiny"`` to the offline tiny model (rlworkers.models.tiny), created on demand in
+  ``$RLFLOW_TINY_MODEL_DIR`` or, if unset, ``~/.cache/rlflow/tiny-llama``. ``"tiny:/some/dir"`` does the
+  same in an explicit folder. Every other name goes to transformers unchanged (a local folder, or a hub name
+  when a hub is reachable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlworkers.models.tiny import ensure_tiny_model
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL_NAME = "tiny"
+TINY_MODEL_DIR_ENV = "RLFLOW_TINY_MODEL_DIR"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_tiny_model_dir() -> Path:
+    """Where ``"tiny"`` lives: ``$RLFLOW_TINY_MODEL_DIR``, else ``~/.cache/rlflow/tiny-llama``."""
+    configured = os.environ.get(TINY_MODEL_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "rlflow" / "tiny-llama"
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """Return what to hand to ``from_pretrained``: the tiny model's folder for ``"tiny"``/``"tiny:DIR"``
+    (creating it if missing), otherwise ``name_or_path`` unchanged."""
+    name = os.fspath(name_or_path)
+    if name == TINY_MODEL_NAME:
+        return str(ensure_tiny_model(default_tiny_model_dir()))
+    if name.startswith(TINY_MODEL_NAME + ":"):
+        return str(ensure_tiny_model(name.split(":", 1)[1]))
+    return name
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name to a torch dtype.
+
+    Raises:
+        ValueError: unknown name; the message lists the accepted ones.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike, *, trust_remote_code: bool = False, padding_side: str = "left"
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer, give it a pad token (its eos) if it has none, and set ``padding_side``.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad nor an eos token.
+    """
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {path!r} has neither pad_token nor eos_token; set one in its config")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info("tokenizer of %s has no pad token; using eos %r", path, tokenizer.eos_token)
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM with ``AutoModelForCausalLM`` in the given dtype (on CPU; callers move it)."""
+    path = resolve_model_path(name_or_path)
+    kwargs = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model and tokenizer (see the module docstring); the model's generation config gets the pad id."""
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+    model = load_model(
+        name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
