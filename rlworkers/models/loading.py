@@ -7,7 +7,7 @@
 - sets ``pad_token`` to ``eos_token`` when the tokenizer has none, and ``padding_side="left"`` so batched
   prompts end where generation starts;
 - resolves the special name ``"tiny"`` to the offline tiny model (rlworkers.models.tiny), created on demand in
-  ``$RLFLOW_TINY_MODEL_DIR`` or, if unset, ``~/.cache/rlflow/tiny-llama``. ``"tiny:/some/dir"`` does the
+  ``$RLFLOW_TINY_MODEL_DIR`` or, if unset, ``~/.cache/rlflow/tiny-llama-4x256``. ``"tiny:/some/dir"`` does the
   same in an explicit folder. Every other name goes to transformers unchanged (a local folder, or a hub name
   when a hub is reachable).
 """
@@ -31,9 +31,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def default_tiny_model_dir() -> Path:
-    """Where ``"tiny"`` lives: ``$RLFLOW_TINY_MODEL_DIR``, else ``~/.cache/rlflow/tiny-llama``."""
+    """Where ``"tiny"`` lives: ``$RLFLOW_TINY_MODEL_DIR``, else ``~/.cache/rlflow/tiny-llama-4x256``."""
     configured = os.environ.get(TINY_MODEL_DIR_ENV)
-    return Path(configured) if configured else Path.home() / ".cache" / "rlflow" / "tiny-llama"
+    return Path(configured) if configured else Path.home() / ".cache" / "rlflow" / "tiny-llama-4x256"
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:

@@ -1,0 +1,72 @@
+"""Algorithm steps on a whole DataProto (run by the controller between worker calls): advantages and the
+per-step data metrics with verl's names. Pure functions of their inputs; no Ray, no Prefect."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlworkers.algorithms.advantages import AdvantageEstimator, compute_gae_advantage_return, get_adv_estimator_fn
+from rlworkers.algorithms.kl import apply_kl_penalty
+from rlworkers.algorithms.utils import masked_mean
+from rlworkers.protocol import DataProto
+
+
+def compute_advantage(data: DataProto, adv_estimator: str, *, gamma: float = 1.0, lam: float = 1.0,
+                      norm_adv_by_std_in_grpo: bool = True, kl_ctrl: Any = None, kl_penalty: str = "kl",
+                      config: Any = None) -> tuple[DataProto, dict[str, float]]:
+    """Add ``token_level_rewards``, ``advantages`` and ``returns`` ``[B, R]`` to ``data`` (in place).
+
+    ``token_level_scores`` come from the reward; with ``kl_ctrl`` (KL-in-reward) the reward is
+    ``scores - beta * KL(old || ref)``. ``gae`` needs ``values``; the outcome estimators group rows by ``uid``.
+    """
+    batch = data.batch
+    mask = batch["response_mask"]
+    metrics: dict[str, float] = {}
+    if kl_ctrl is not None:
+        rewards, metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
+                                            batch["ref_log_prob"], mask, kl_ctrl, kl_penalty)
+    else:
+        rewards = batch["token_level_scores"]
+    batch["token_level_rewards"] = rewards
+    if adv_estimator == AdvantageEstimator.GAE:
+        advantages, returns = compute_gae_advantage_return(rewards, batch["values"], mask, gamma, lam)
+    else:
+        estimator = get_adv_estimator_fn(adv_estimator)
+        advantages, returns = estimator(token_level_rewards=rewards, response_mask=mask,
+                                        index=data.non_tensor_batch["uid"], gamma=gamma,
+                                        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+                                        config=config if config is not None else {"gamma": gamma},
+                                        reward_baselines=batch.get("reward_baselines", None))
+    batch["advantages"], batch["returns"] = advantages, returns
+    return data, metrics
+
+
+def compute_data_metrics(data: DataProto) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and lengths of one step's batch (verl's metric names)."""
+    batch = data.batch
+    mask = batch["response_mask"].bool()
+    metrics: dict[str, float] = {}
+
+    def add(name: str, values: torch.Tensor) -> None:
+        values = values.float()
+        if values.numel():
+            metrics[f"{name}/mean"] = values.mean().item()
+            metrics[f"{name}/max"] = values.max().item()
+            metrics[f"{name}/min"] = values.min().item()
+
+    add("critic/score", batch["token_level_scores"].sum(-1))
+    if "token_level_rewards" in batch.keys():
+        add("critic/rewards", batch["token_level_rewards"].sum(-1))
+    for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
+        if key in batch.keys():
+            add(name, batch[key][mask])
+    response_length = mask.sum(-1)
+    add("response_length", response_length)
+    metrics["response_length/clip_ratio"] = (response_length == mask.shape[-1]).float().mean().item()
+    add("prompt_length", batch["attention_mask"][:, : batch["prompts"].shape[-1]].sum(-1))
+    if "entropys" in batch.keys():
+        metrics["actor/entropy_rollout"] = masked_mean(batch["entropys"], mask.float()).item()
+    return metrics
+

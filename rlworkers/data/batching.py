@@ -1,0 +1,76 @@
+"""Rows -> DataProto batches: left-padded prompts for rollout, prompt+response for SFT.
+
+Prompt batches carry ``input_ids``, ``attention_mask``, ``position_ids`` (``[B, P]``, left-padded, so generation
+continues right after the prompt) and the non-tensor columns ``raw_prompt``, ``ground_truth``, ``data_source``
+and ``uid`` (one uid per prompt, so GRPO can group the samples of a prompt).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rlworkers.protocol import DataProto
+from rlworkers.workers.common import compute_position_id_with_mask
+
+
+def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def prompt_batch(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                 max_prompt_length: int | None = None) -> DataProto:
+    """Tokenise prompts (left-padded) and keep the columns rewards need."""
+    encoded = [tokenizer(row[prompt_key])["input_ids"] for row in rows]
+    if max_prompt_length is not None:
+        too_long = [i for i, e in enumerate(encoded) if len(e) > max_prompt_length]
+        if too_long:
+            raise ValueError(f"prompt of batch row {too_long[0]} has {len(encoded[too_long[0]])} tokens, more than "
+                             f"data.max_prompt_length={max_prompt_length}; raise it or filter the dataset")
+    input_ids, attention_mask = _left_pad(encoded, tokenizer.pad_token_id)
+    non_tensors = {
+        "raw_prompt": [row[prompt_key] for row in rows],
+        "ground_truth": [str(row.get(answer_key, "")) for row in rows],
+        "data_source": [row.get("data_source", "") for row in rows],
+        "uid": [str(uuid.uuid4()) for _ in rows],
+    }
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask,
+                                "position_ids": compute_position_id_with_mask(attention_mask)}, non_tensors)
+
+
+def sft_batch(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
+              response_key: str = "response") -> DataProto:
+    """``prompt + response + eos``, left-padded, with ``loss_mask`` = 1 on the response and eos tokens."""
+    sequences, loss_masks = [], []
+    for row in rows:
+        prompt = tokenizer(row[prompt_key])["input_ids"]
+        response = tokenizer(str(row[response_key]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sequences.append(prompt + response)
+        loss_masks.append([0] * len(prompt) + [1] * len(response))
+    input_ids, attention_mask = _left_pad(sequences, tokenizer.pad_token_id)
+    loss_mask, _ = _left_pad(loss_masks, 0)
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask,
+                                "position_ids": compute_position_id_with_mask(attention_mask),
+                                "loss_mask": loss_mask})
+
+
+def decode_responses(data: DataProto, tokenizer) -> list[str]:
+    """The response text of every row (up to, not including, EOS)."""
+    texts = []
+    for ids, mask in zip(data.batch["responses"], data.batch["response_mask"]):
+        tokens = ids[mask.bool()].tolist()
+        if tokens and tokens[-1] == tokenizer.eos_token_id:
+            tokens = tokens[:-1]
+        texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
+    return texts
+

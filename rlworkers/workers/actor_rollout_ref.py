@@ -1,0 +1,249 @@
+"""ActorRolloutRefWorker: the policy model in its three roles, any combination in one process.
+
+* ``actor``: trains the policy (``update_actor``: PPO epochs over mini-batches, micro-batch gradient accumulation,
+  grad clipping, LR schedule; ``sft_step`` for the supervised warm-up) and recomputes log-probs
+  (``compute_log_prob``).
+* ``rollout``: samples responses (``generate_sequences``) from the actor's weights — the same module, so every
+  update is visible to the next rollout without a copy.
+* ``ref``: a frozen copy of the initial policy (``compute_ref_log_prob``) for KL.
+
+Data parallel over the group with torch DDP (gloo on CPU, nccl on CUDA): each worker gets an equal slice of the
+batch (the single controller pads), gradients are all-reduced, replicas stay identical.
+
+    role="actor_rollout_ref" | "actor_rollout" | "actor" | "rollout" | "ref"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from rlworkers.algorithms import core_algos
+from rlworkers.models.loading import load_model, load_tokenizer, resolve_model_path, torch_dtype
+from rlworkers.protocol import DataProto
+from rlworkers.single_controller import Dispatch, Worker, register
+from rlworkers.workers import common
+from rlworkers.workers.config import WorkerConfig
+from rlworkers.workers.rollout.hf_rollout import HFRollout
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "rollout", "ref")
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config: WorkerConfig | dict, role: str = "actor_rollout_ref"):
+        super().__init__()
+        self.config = config if isinstance(config, WorkerConfig) else WorkerConfig.model_validate(config)
+        parts = role.split("_")
+        if not parts or any(p not in ROLES for p in parts):
+            raise ValueError(f"role {role!r}: use actor, rollout, ref or an '_'-joined combination of them")
+        self.role = role
+        self._is_actor, self._is_rollout, self._is_ref = ("actor" in parts, "rollout" in parts, "ref" in parts)
+        self.device = self.config.device
+        self.update_steps = 0
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg = self.config
+        self.init_process_group(cfg.backend)
+        common.seed_everything(cfg.seed)  # identical initial weights on every rank
+        path = resolve_model_path(cfg.model.path)
+        dtype = torch_dtype(cfg.model.dtype)
+        self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
+        if self._is_actor or self._is_rollout:
+            self.model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+            if cfg.model.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable()
+        if self._is_actor:
+            self.module = common.wrap_data_parallel(self.model, self.device)
+            self.optimizer = common.build_optimizer(self.model.parameters(), cfg.actor.optim)
+            self.lr_scheduler = common.build_lr_scheduler(self.optimizer, cfg.actor.optim)
+            self.policy_loss_fn = core_algos.get_policy_loss_fn(cfg.actor.policy_loss)
+        if self._is_rollout:
+            if cfg.rollout.name != "hf":
+                from rlworkers.workers.rollout import vllm_rollout  # noqa: F401  (raises a clear error if missing)
+            self.rollout = HFRollout(self.model, self.tokenizer, cfg.rollout)
+        if self._is_ref:
+            self.ref_model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        common.seed_everything(cfg.seed + 1000 * (self.rank + 1))  # different samples on every rank
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """``input_ids``/``attention_mask`` of left-padded prompts -> sampled responses (see ``rollout``)."""
+        self._require(self._is_rollout, "generate_sequences", "rollout")
+        return self.rollout.generate_sequences(prompts)
+
+    # ------------------------------------------------------------------------------------------------ log-probs
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs [B, R]`` and ``entropys [B, R]`` of ``responses`` under the current actor."""
+        self._require(self._is_actor, "compute_log_prob", "actor")
+        temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
+        with torch.no_grad():
+            log_probs, entropy = common.response_log_probs(
+                self.model, data, temperature, self.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": temperature})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob [B, R]`` under the frozen reference policy."""
+        self._require(self._is_ref, "compute_ref_log_prob", "ref")
+        temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
+        with torch.no_grad():
+            log_probs, _ = common.response_log_probs(self.ref_model, data, temperature,
+                                                     self.config.ref_micro_batch_size_per_gpu)
+        return DataProto.from_dict({"ref_log_prob": log_probs})
+
+    # ------------------------------------------------------------------------------------------------ training
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO-style update on ``advantages``: ``ppo_epochs`` x mini-batches, each one optimizer step.
+
+        Needs ``input_ids, attention_mask, position_ids, responses, response_mask, old_log_probs, advantages``
+        (+ ``ref_log_prob`` with ``use_kl_loss``). Returns ``meta_info["metrics"]`` with verl's names.
+        """
+        self._require(self._is_actor, "update_actor", "actor")
+        cfg = self.config.actor
+        temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
+        mini_size = common.per_rank_batch_size(cfg.ppo_mini_batch_size, self.world_size, "actor.ppo_mini_batch_size")
+        generator = torch.Generator().manual_seed(self.config.seed + self.update_steps)
+        metrics = defaultdict(list)
+        self.module.train()
+        for _ in range(cfg.ppo_epochs):
+            for mini in common.mini_batches(data, mini_size, cfg.shuffle, generator):
+                self.optimizer.zero_grad()
+                micros = mini.split(cfg.ppo_micro_batch_size_per_gpu)
+                for i, micro in enumerate(micros):
+                    with self._maybe_no_sync(last=i == len(micros) - 1):
+                        loss, stats = self._policy_loss(micro, temperature)
+                        (loss * len(micro) / len(mini)).backward()
+                    for key, value in stats.items():
+                        metrics[key].append(value)
+                metrics["actor/grad_norm"].append(self._optimizer_step(cfg.optim.grad_clip))
+        self.lr_scheduler.step()
+        self.update_steps += 1
+        metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
+        return DataProto(meta_info={"metrics": {k: float(np.mean(v)) for k, v in metrics.items()}})
+
+    def _policy_loss(self, micro: DataProto, temperature: float) -> tuple[torch.Tensor, dict]:
+        cfg = self.config.actor
+        batch = micro.batch
+        mask = batch["response_mask"].float()
+        logits = common.response_logits(self.module, batch["input_ids"], batch["attention_mask"],
+                                        batch["position_ids"], batch["responses"].shape[-1], temperature)
+        log_prob = common.logprobs_from_logits(logits, batch["responses"])
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss_fn(
+            batch["old_log_probs"], log_prob, batch["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg)
+        entropy = core_algos.agg_loss(common.entropy_from_logits(logits), mask, cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * entropy
+        stats = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
+                 "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+                 "actor/entropy": entropy.item()}
+        if cfg.use_kl_loss:
+            kl = core_algos.kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = core_algos.agg_loss(kl, mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            stats.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": cfg.kl_loss_coef})
+        return loss, stats
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def sft_step(self, data: DataProto) -> DataProto:
+        """One optimizer step of next-token cross-entropy on ``loss_mask`` tokens (``input_ids [B, T]``,
+        ``attention_mask``, ``position_ids``, ``loss_mask``: 1 where the token is a target)."""
+        self._require(self._is_actor, "sft_step", "actor")
+        self.module.train()
+        self.optimizer.zero_grad()
+        micros = data.split(self.config.actor.ppo_micro_batch_size_per_gpu)
+        total_tokens = data.batch["loss_mask"][:, 1:].sum().clamp(min=1)
+        loss_sum = 0.0
+        for i, micro in enumerate(micros):
+            batch = micro.batch
+            with self._maybe_no_sync(last=i == len(micros) - 1):
+                logits = self.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     position_ids=batch["position_ids"], use_cache=False).logits[:, :-1]
+                nll = -common.logprobs_from_logits(logits, batch["input_ids"][:, 1:])
+                loss = (nll * batch["loss_mask"][:, 1:]).sum() / total_tokens
+                loss.backward()
+            loss_sum += loss.item()
+        grad_norm = self._optimizer_step(self.config.actor.optim.grad_clip)
+        self.lr_scheduler.step()
+        metrics = {"sft/loss": loss_sum, "sft/grad_norm": grad_norm, "sft/lr": self.lr_scheduler.get_last_lr()[0]}
+        return DataProto(meta_info={"metrics": metrics})
+
+    def _maybe_no_sync(self, last: bool):
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel) and not last:
+            return self.module.no_sync()
+        return contextlib.nullcontext()
+
+    def _optimizer_step(self, grad_clip: float) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("rank %d: grad norm is %s; skipping this optimizer step", self.rank, grad_norm.item())
+        self.optimizer.zero_grad()
+        return float(grad_norm)
+
+    # ------------------------------------------------------------------------------------------------ state
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str) -> list[str]:
+        """Weights (HF format, safetensors) and tokenizer from rank 0; optimizer, scheduler and RNG per rank."""
+        written = []
+        if self.rank == 0:
+            os.makedirs(local_path, exist_ok=True)
+            model = self.model if (self._is_actor or self._is_rollout) else self.ref_model
+            model.save_pretrained(local_path, safe_serialization=True)
+            self.tokenizer.save_pretrained(local_path)
+            written.append(local_path)
+        if self._is_actor:
+            path = os.path.join(local_path, f"actor_state_rank_{self.rank}.pt")
+            common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                               "update_steps": self.update_steps,
+                               "rng": common.rng_state_to_tensors(common.rng_state())}, path)
+            written.append(path)
+        return written
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        """Load weights from an HF-format folder (and, for the actor, this rank's optimizer/scheduler/RNG)."""
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(local_path, "model.safetensors"))
+        for model in self._models():
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+            if real_missing or unexpected:
+                raise ValueError(f"{local_path}: checkpoint does not match the model (missing {real_missing[:5]}, "
+                                 f"unexpected {unexpected[:5]})")
+        if self._is_actor and load_optimizer:
+            saved = common.load_torch(os.path.join(local_path, f"actor_state_rank_{self.rank}.pt"))
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+            self.update_steps = saved["update_steps"]
+            common.set_rng_state(common.rng_state_from_tensors(saved["rng"]))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_weights_checksum(self) -> float:
+        """Sum of all weights in float64: equal across ranks when data-parallel replicas are in sync."""
+        model = next(iter(self._models()))
+        return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+    def _models(self):
+        if self._is_actor or self._is_rollout:
+            yield self.model
+        if self._is_ref:
+            yield self.ref_model
+
+    def _require(self, present: bool, method: str, role: str) -> None:
+        if not present:
+            raise RuntimeError(f"{method} needs the {role!r} role; this worker was started with role={self.role!r}")

@@ -1,0 +1,150 @@
+"""Pieces every model-holding worker uses: per-token log-probs, optimizer + LR schedule, data-parallel wrapping,
+micro-batching and checkpoint files (safetensors for weights, ``torch.load(weights_only=True)`` for the rest)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Iterator
+
+import fsspec
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rlworkers.algorithms.utils import entropy_from_logits
+from rlworkers.protocol import DataProto
+from rlworkers.workers.config import OptimConfig
+
+
+def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only (left padding gets position 0). ``[B, T] -> [B, T]``."""
+    return torch.clip(torch.cumsum(mask, dim=-1) - 1, min=0)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[label]`` per position. ``[B, T, V], [B, T] -> [B, T]``."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def response_logits(model, input_ids, attention_mask, position_ids, response_length: int, temperature: float = 1.0):
+    """Logits that predict each response token: ``[B, P+R] -> [B, R, V]``, divided by the sampling temperature."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
+    return logits[:, -response_length - 1 : -1, :] / temperature
+
+
+def response_log_probs(model, data: DataProto, temperature: float, micro_batch_size: int,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``data.batch["responses"]`` under ``model``, in micro-batches. ``[B, R]``."""
+    response_length = data.batch["responses"].shape[-1]
+    log_probs, entropies = [], []
+    for micro in data.split(micro_batch_size):
+        batch = micro.batch
+        logits = response_logits(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                 response_length, temperature)
+        log_probs.append(logprobs_from_logits(logits, batch["responses"]))
+        if with_entropy:
+            entropies.append(entropy_from_logits(logits))
+    return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+
+
+def micro_batches(data: DataProto, micro_batch_size: int) -> Iterator[DataProto]:
+    yield from data.split(micro_batch_size)
+
+
+def mini_batches(data: DataProto, mini_batch_size: int, shuffle: bool, generator: torch.Generator) -> list[DataProto]:
+    """Consecutive mini-batches of a (per-epoch shuffled) batch."""
+    if shuffle:
+        data = data.select_idxs(torch.randperm(len(data), generator=generator))
+    return data.split(mini_batch_size)
+
+
+def per_rank_batch_size(total: int, world_size: int, what: str) -> int:
+    if total % world_size:
+        raise ValueError(f"{what} ({total}) must be divisible by the number of workers ({world_size})")
+    return total // world_size
+
+
+# ---------------------------------------------------------------------------------------------- optimisation
+def build_optimizer(parameters, config: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig):
+    """Linear warm-up, then constant, cosine or linear decay to ``min_lr_ratio * lr`` over the horizon."""
+
+    def factor(step: int) -> float:
+        if step < config.lr_warmup_steps:
+            return (step + 1) / config.lr_warmup_steps
+        if config.lr_scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - config.lr_warmup_steps) / max(1, config.total_training_steps - config.lr_warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_scheduler == "cosine" else 1 - progress
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * decay
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def wrap_data_parallel(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """DDP over the default process group when there is more than one worker (gloo on CPU, nccl on CUDA).
+
+    DDP rather than FSDP2: the models this runs on CPU fit in one process; DDP keeps replicas identical with one
+    all-reduce per step and no resharding. FSDP2 is the step for models that do not fit (see the README).
+    """
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return model
+    device_ids = [torch.cuda.current_device()] if device == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+# ---------------------------------------------------------------------------------------------- randomness
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_state_to_tensors(state: dict) -> dict:
+    """RNG state as tensors and plain lists, so it loads with ``weights_only=True``."""
+    version, python_state, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    return {"python": [version, list(python_state), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
+            pos, has_gauss, cached], "torch": state["torch"], "cuda": list(state["cuda"])}
+
+
+def rng_state_from_tensors(saved: dict) -> dict:
+    version, python_state, gauss = saved["python"]
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    return {"python": (version, tuple(python_state), gauss),
+            "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
+            "torch": saved["torch"], "cuda": saved["cuda"]}
+
+
+# ---------------------------------------------------------------------------------------------- files
+def save_torch(obj, path: str) -> None:
+    with fsspec.open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def load_torch(path: str):
+    """Load optimizer/scheduler/RNG state without unpickling arbitrary objects."""
+    with fsspec.open(path, "rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=True)

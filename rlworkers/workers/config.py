@@ -1,0 +1,102 @@
+"""Worker configuration: small frozen pydantic models, validated before any worker starts.
+
+Field names follow verl's ``ppo_trainer.yaml`` where they overlap (``ppo_mini_batch_size``,
+``ppo_micro_batch_size_per_gpu``, ``clip_ratio_low``, ``loss_agg_mode``, ``use_kl_loss`` ...), so a verl user
+recognises them. Batch sizes count sequences (prompts x samples) across the whole data-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    path: str = Field("tiny", description="HF model path or hub name; 'tiny' creates the offline tiny Llama")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+
+
+class OptimConfig(_Frozen):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    total_training_steps: int = Field(1000, gt=0, description="scheduler horizon (update calls)")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class RolloutConfig(_Frozen):
+    name: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    response_length: int = Field(8, gt=0, description="max new tokens")
+    n: int = Field(1, gt=0, description="samples per prompt (rows come back interleaved: a a b b)")
+    do_sample: bool = True
+    log_prob_micro_batch_size_per_gpu: int = Field(64, gt=0)
+
+
+class ActorConfig(_Frozen):
+    ppo_mini_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, whole group")
+    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0, description="sequences per forward/backward on a worker")
+    ppo_epochs: int = Field(1, gt=0)
+    shuffle: bool = True
+    clip_ratio: float = Field(0.2, gt=0)
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = Field(3.0, gt=1)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    policy_loss: Literal["vanilla", "gspo"] = "vanilla"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = OptimConfig()
+
+
+class CriticConfig(_Frozen):
+    model: ModelConfig | None = Field(None, description="defaults to the actor's model")
+    ppo_mini_batch_size: int = Field(16, gt=0)
+    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    cliprange_value: float = Field(0.5, gt=0)
+    loss_agg_mode: str = "token-mean"
+    optim: OptimConfig = OptimConfig(lr=1e-4)
+
+
+class RewardConfig(_Frozen):
+    reward_fn: str = Field("auto", description="registered name, 'file.py:fn' or 'package.module:fn'")
+    reward_model: ModelConfig | None = Field(None, description="a sequence-classification model instead of rules")
+
+
+class WorkerConfig(_Frozen):
+    """Everything ActorRolloutRefWorker needs."""
+
+    model: ModelConfig = ModelConfig()
+    actor: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    ref_micro_batch_size_per_gpu: int = Field(64, gt=0)
+    device: Literal["cpu", "cuda"] = "cpu"
+    backend: Literal["gloo", "nccl"] | None = Field(None, description="defaults to gloo on cpu, nccl on cuda")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_device(self):
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("backend 'nccl' needs device 'cuda'; use backend 'gloo' (or leave it unset) on CPU")
+        if self.actor.ppo_micro_batch_size_per_gpu > self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"actor.ppo_micro_batch_size_per_gpu ({self.actor.ppo_micro_batch_size_per_gpu}) is larger than "
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}); lower it"
+            )
+        return self

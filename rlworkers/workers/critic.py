@@ -1,0 +1,107 @@
+"""CriticWorker: a value model (the policy's backbone with a one-output token head) for PPO with GAE.
+
+``compute_values`` gives ``values [B, R]``: the value at the position that predicts each response token.
+``update_critic`` fits them to ``returns`` with the clipped value loss, over mini-batches and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+
+import numpy as np
+import torch
+from transformers import AutoModelForTokenClassification
+
+from rlworkers.algorithms.core_algos import compute_value_loss, masked_mean
+from rlworkers.models.loading import resolve_model_path, torch_dtype
+from rlworkers.protocol import DataProto
+from rlworkers.single_controller import Dispatch, Worker, register
+from rlworkers.workers import common
+from rlworkers.workers.config import CriticConfig, ModelConfig
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: CriticConfig | dict, model: ModelConfig | dict, device: str = "cpu",
+                 backend: str | None = None, seed: int = 0):
+        super().__init__()
+        self.config = config if isinstance(config, CriticConfig) else CriticConfig.model_validate(config)
+        fallback = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
+        self.model_config = self.config.model or fallback
+        self.device, self.backend, self.seed = device, backend, seed
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self.init_process_group(self.backend)
+        common.seed_everything(self.seed)  # the new value head starts identical on every rank
+        path = resolve_model_path(self.model_config.path)
+        self.model = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=torch_dtype(self.model_config.dtype)).to(self.device)
+        self.module = common.wrap_data_parallel(self.model, self.device)
+        self.optimizer = common.build_optimizer(self.model.parameters(), self.config.optim)
+        self.lr_scheduler = common.build_lr_scheduler(self.optimizer, self.config.optim)
+
+    def _values(self, module, batch) -> torch.Tensor:
+        response_length = batch["responses"].shape[-1]
+        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=batch["position_ids"], use_cache=False).logits.squeeze(-1)
+        return out[:, -response_length - 1 : -1] * batch["response_mask"]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        with torch.no_grad():
+            values = torch.cat([self._values(self.model, micro.batch)
+                                for micro in data.split(self.config.ppo_micro_batch_size_per_gpu)])
+        return DataProto.from_dict({"values": values})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Needs ``input_ids, attention_mask, position_ids, responses, response_mask, values, returns``."""
+        cfg = self.config
+        mini_size = common.per_rank_batch_size(cfg.ppo_mini_batch_size, self.world_size, "critic.ppo_mini_batch_size")
+        generator = torch.Generator().manual_seed(self.seed)
+        metrics = defaultdict(list)
+        self.module.train()
+        for _ in range(cfg.ppo_epochs):
+            for mini in common.mini_batches(data, mini_size, True, generator):
+                micros = mini.split(cfg.ppo_micro_batch_size_per_gpu)
+                for i, micro in enumerate(micros):
+                    ddp = isinstance(self.module, torch.nn.parallel.DistributedDataParallel)
+                    sync = contextlib.nullcontext() if (not ddp or i == len(micros) - 1) else self.module.no_sync()
+                    with sync:
+                        batch = micro.batch
+                        vpreds = self._values(self.module, batch)
+                        vf_loss, vf_clipfrac = compute_value_loss(
+                            vpreds, batch["returns"], batch["values"], batch["response_mask"],
+                            cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode)
+                        (vf_loss * len(micro) / len(mini)).backward()
+                    metrics["critic/vf_loss"].append(vf_loss.item())
+                    metrics["critic/vf_clipfrac"].append(vf_clipfrac.item())
+                    metrics["critic/vpred_mean"].append(masked_mean(vpreds, batch["response_mask"]).item())
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                self.optimizer.zero_grad()
+                metrics["critic/grad_norm"].append(float(grad_norm))
+        self.lr_scheduler.step()
+        metrics["critic/lr"].append(self.lr_scheduler.get_last_lr()[0])
+        return DataProto(meta_info={"metrics": {k: float(np.mean(v)) for k, v in metrics.items()}})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str) -> None:
+        os.makedirs(local_path, exist_ok=True)
+        if self.rank == 0:
+            self.model.save_pretrained(local_path, safe_serialization=True)
+        common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
+                          os.path.join(local_path, f"critic_state_rank_{self.rank}.pt"))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(os.path.join(local_path, "model.safetensors")))
+        if load_optimizer:
+            saved = common.load_torch(os.path.join(local_path, f"critic_state_rank_{self.rank}.pt"))
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.lr_scheduler.load_state_dict(saved["lr_scheduler"])

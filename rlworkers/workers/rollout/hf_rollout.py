@@ -1,0 +1,59 @@
+"""Rollout with transformers' ``generate`` (the default backend; ``rollout.name: hf``)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlworkers.protocol import DataProto
+from rlworkers.workers.common import compute_position_id_with_mask, logprobs_from_logits
+from rlworkers.workers.config import RolloutConfig
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 for every token up to and including the first EOS of each row, 0 after. ``[B, R] -> [B, R]``."""
+    is_eos = responses == eos_token_id
+    after_eos = (torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()) > 0
+    return (~after_eos).long()
+
+
+class HFRollout:
+    def __init__(self, model, tokenizer, config: RolloutConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        meta = prompts.meta_info
+        n = int(meta.get("n", self.config.n))
+        do_sample = bool(meta.get("do_sample", self.config.do_sample))
+        temperature = float(meta.get("temperature", self.config.temperature)) if do_sample else 1.0
+        response_length = int(meta.get("response_length", self.config.response_length))
+        if n > 1:
+            prompts = prompts.repeat(n, interleave=True)
+        input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=response_length,
+            do_sample=do_sample, temperature=temperature if do_sample else None,
+            top_p=self.config.top_p if do_sample else None, top_k=self.config.top_k if do_sample else None,
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            return_dict_in_generate=True, output_logits=True,
+        )
+        self.model.train(was_training)
+        responses = out.sequences[:, input_ids.shape[1]:]
+        logits = torch.stack(out.logits, dim=1) / temperature
+        pad = response_length - responses.shape[1]
+        if pad:  # every row stopped early
+            responses = torch.nn.functional.pad(responses, (0, pad), value=self.tokenizer.pad_token_id)
+            logits = torch.nn.functional.pad(logits, (0, 0, 0, pad))
+        response_mask = response_mask_from_eos(responses, self.tokenizer.eos_token_id)
+        responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
+        log_probs = logprobs_from_logits(logits, responses) * response_mask
+        full_mask = torch.cat([attention_mask, response_mask], dim=-1)
+        batch = {
+            "prompts": input_ids, "responses": responses, "input_ids": torch.cat([input_ids, responses], dim=-1),
+            "attention_mask": full_mask, "position_ids": compute_position_id_with_mask(full_mask),
+            "response_mask": response_mask, "rollout_log_probs": log_probs,
+        }
+        return DataProto.from_dict(batch, dict(prompts.non_tensor_batch),
+                                   meta_info={k: v for k, v in meta.items() if k != "metrics"})
