@@ -1,0 +1,230 @@
+"""Workers: DataProto in/out contracts of every method, log-prob consistency, SFT and PPO updates, checkpoints.
+
+Fast tests call the worker classes in-process (a Worker outside a group is rank 0 of 1); the data-parallel tests
+run them as a 2-worker group on real Ray.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlworkers.algorithms.batch_ops import compute_advantage, compute_data_metrics
+from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
+from rlworkers.data.synthetic import addition_rows
+from rlworkers.models.tiny import ensure_tiny_model
+from rlworkers.protocol import DataProto
+from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
+from rlworkers.workers.config import WorkerConfig
+from rlworkers.workers.critic import CriticWorker
+from rlworkers.workers.reward import RewardWorker
+
+ROWS = addition_rows(num_train=400, num_val=50, max_digits=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+def worker_config(path, **overrides) -> WorkerConfig:
+    base = {"model": {"path": path}, "rollout": {"response_length": 5},
+            "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 1e-3}}}
+    for key, value in overrides.items():
+        base.setdefault(key, {}).update(value)
+    return WorkerConfig.model_validate(base)
+
+
+@pytest.fixture()
+def worker(tiny_path):
+    w = ActorRolloutRefWorker(worker_config(tiny_path), role="actor_rollout_ref")
+    w.init_model()
+    return w
+
+
+def generated(worker, n_prompts=6, n=2) -> DataProto:
+    batch = prompt_batch(ROWS["train"][:n_prompts], worker.tokenizer)
+    batch.meta_info["n"] = n
+    return worker.generate_sequences(batch)
+
+
+def test_generate_sequences_contract(worker):
+    out = generated(worker, n_prompts=6, n=2)
+    prompt_len = out.batch["prompts"].shape[1]
+    assert len(out) == 12
+    assert out.batch["responses"].shape == (12, 5)
+    assert out.batch["input_ids"].shape == (12, prompt_len + 5)
+    assert out.batch["attention_mask"].shape == out.batch["position_ids"].shape == (12, prompt_len + 5)
+    assert out.batch["rollout_log_probs"].shape == out.batch["response_mask"].shape == (12, 5)
+    uids = out.non_tensor_batch["uid"]
+    assert all(uids[2 * i] == uids[2 * i + 1] for i in range(6)) and len(set(uids)) == 6  # a a b b ...
+    eos, pad = worker.tokenizer.eos_token_id, worker.tokenizer.pad_token_id
+    for row, mask in zip(out.batch["responses"], out.batch["response_mask"]):
+        valid = int(mask.sum())
+        assert mask[:valid].all() and not mask[valid:].any()  # ones, then zeros
+        if valid < 5:
+            assert row[valid - 1] == eos and (row[valid:] == pad).all()
+        assert eos not in row[: valid - 1].tolist()
+    assert (out.batch["rollout_log_probs"][out.batch["response_mask"] == 0] == 0).all()
+    assert (out.batch["rollout_log_probs"][out.batch["response_mask"] == 1] < 0).all()
+
+
+def test_greedy_generation_is_deterministic(worker):
+    batch = prompt_batch(ROWS["validation"][:4], worker.tokenizer)
+    batch.meta_info.update(do_sample=False)
+    first, second = worker.generate_sequences(batch), worker.generate_sequences(batch)
+    assert torch.equal(first.batch["responses"], second.batch["responses"])
+
+
+def test_recomputed_log_probs_match_rollout(worker):
+    out = generated(worker, n_prompts=8, n=2)
+    recomputed = worker.compute_log_prob(out)
+    assert set(recomputed.batch.keys()) == {"old_log_probs", "entropys"}
+    mask = out.batch["response_mask"].bool()
+    diff = (recomputed.batch["old_log_probs"] - out.batch["rollout_log_probs"])[mask].abs().max()
+    assert diff < 1e-4, f"actor and rollout disagree by {diff}"
+
+
+def test_ref_matches_actor_until_the_actor_trains(worker):
+    out = generated(worker)
+    out.union(worker.compute_log_prob(out))
+    ref = worker.compute_ref_log_prob(out)
+    mask = out.batch["response_mask"].bool()
+    assert torch.allclose(ref.batch["ref_log_prob"][mask], out.batch["old_log_probs"][mask], atol=1e-5)
+    out.batch["advantages"] = torch.randn(len(out), 5) * out.batch["response_mask"]
+    metrics = worker.update_actor(out).meta_info["metrics"]
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr"):
+        assert np.isfinite(metrics[name]), name
+    after = worker.compute_ref_log_prob(out).batch["ref_log_prob"]
+    assert torch.equal(after, ref.batch["ref_log_prob"])  # the reference is frozen
+    new = worker.compute_log_prob(out).batch["old_log_probs"]
+    assert not torch.allclose(new[mask], out.batch["old_log_probs"][mask])  # the actor moved
+
+
+def test_kl_loss_and_gspo_paths(tiny_path):
+    w = ActorRolloutRefWorker(worker_config(tiny_path, actor={"use_kl_loss": True, "policy_loss": "gspo",
+                                                              "ppo_mini_batch_size": 12}))  # one optimizer step
+    w.init_model()
+    out = generated(w)
+    out.union(w.compute_log_prob(out))
+    out.union(w.compute_ref_log_prob(out))
+    out.batch["advantages"] = torch.ones(len(out), 5) * out.batch["response_mask"]
+    metrics = w.update_actor(out).meta_info["metrics"]
+    assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # actor == ref before this step
+    assert metrics["actor/kl_coef"] == 0.001
+
+
+def test_sft_lowers_loss(tiny_path):
+    w = ActorRolloutRefWorker(worker_config(tiny_path, actor={"ppo_mini_batch_size": 32, "ppo_micro_batch_size_per_gpu": 32}),
+                              role="actor")
+    w.init_model()
+    rng = random.Random(0)
+    losses = [w.sft_step(sft_batch(rng.sample(ROWS["train"], 32), w.tokenizer)).meta_info["metrics"]["sft/loss"]
+              for _ in range(40)]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3])
+
+
+def test_sft_batch_masks_only_the_answer(worker):
+    data = sft_batch([{"prompt": "1+2=", "response": "3"}], worker.tokenizer)
+    tokens = data.batch["input_ids"][0][data.batch["loss_mask"][0].bool()].tolist()
+    assert tokens == worker.tokenizer("3", add_special_tokens=False)["input_ids"] + [worker.tokenizer.eos_token_id]
+
+
+def test_role_is_checked(tiny_path):
+    w = ActorRolloutRefWorker(worker_config(tiny_path), role="rollout")
+    w.init_model()
+    with pytest.raises(RuntimeError, match="update_actor needs the 'actor' role"):
+        w.update_actor(DataProto())
+    with pytest.raises(ValueError, match="role 'critic'"):
+        ActorRolloutRefWorker(worker_config(tiny_path), role="critic")
+
+
+def test_checkpoint_round_trip(worker, tmp_path):
+    out = generated(worker)
+    out.union(worker.compute_log_prob(out))
+    out.batch["advantages"] = torch.randn(len(out), 5) * out.batch["response_mask"]
+    worker.update_actor(out)
+    saved = worker.get_weights_checksum()
+    written = worker.save_checkpoint(str(tmp_path / "ckpt"))
+    assert any(p.endswith("actor_state_rank_0.pt") for p in written)
+    worker.update_actor(out)
+    assert worker.get_weights_checksum() != saved
+    worker.load_checkpoint(str(tmp_path / "ckpt"))
+    assert worker.get_weights_checksum() == saved
+    assert worker.update_steps == 1
+    assert worker.optimizer.state_dict()["state"]  # Adam moments came back too
+
+
+def test_reward_worker_rule_and_user_function(worker, tmp_path):
+    rows = ROWS["validation"][:3]
+    batch = prompt_batch(rows, worker.tokenizer)
+    tok = worker.tokenizer
+    answers = [rows[0]["answer"], "999", rows[2]["answer"]]
+    responses = torch.full((3, 5), tok.pad_token_id)
+    mask = torch.zeros(3, 5, dtype=torch.long)
+    for i, text in enumerate(answers):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        responses[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    batch.batch["responses"], batch.batch["response_mask"] = responses, mask
+    assert decode_responses(batch, tok) == answers
+    rw = RewardWorker({"reward_fn": "exact"}, tokenizer_path=worker.config.model.path)
+    rw.init_model()
+    scored = rw.compute_rm_score(batch)
+    assert list(scored.non_tensor_batch["score"]) == [1.0, 0.0, 1.0]
+    last = mask.sum(-1) - 1
+    assert scored.batch["token_level_scores"][torch.arange(3), last].tolist() == [1.0, 0.0, 1.0]
+    assert scored.batch["token_level_scores"].sum() == 2.0
+    user_file = tmp_path / "my_reward.py"
+    user_file.write_text("def length(prompts, responses, **cols):\n    return [float(len(r)) for r in responses]\n")
+    rw = RewardWorker({"reward_fn": f"{user_file}:length"}, tokenizer_path=worker.config.model.path)
+    rw.init_model()
+    assert list(rw.compute_rm_score(batch).non_tensor_batch["score"]) == [float(len(a)) for a in answers]
+
+
+def test_reward_worker_with_reward_model(worker):
+    out = generated(worker)
+    rw = RewardWorker({"reward_model": {"path": worker.config.model.path}}, tokenizer_path=worker.config.model.path)
+    rw.init_model()
+    scored = rw.compute_rm_score(out)
+    assert scored.batch["token_level_scores"].shape == (len(out), 5)
+    assert np.isfinite(scored.non_tensor_batch["score"].astype(float)).all()
+
+
+def test_critic_values_and_update(worker):
+    out = generated(worker, n_prompts=8)
+    critic = CriticWorker({"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1e-3}},
+                          model={"path": worker.config.model.path})
+    critic.init_model()
+    values = critic.compute_values(out).batch["values"]
+    assert values.shape == (16, 5) and (values[out.batch["response_mask"] == 0] == 0).all()
+    out.batch["values"] = values
+    out.batch["returns"] = torch.ones(16, 5) * out.batch["response_mask"]
+    losses = [critic.update_critic(out).meta_info["metrics"]["critic/vf_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def test_advantage_step_and_metrics(worker):
+    out = generated(worker, n_prompts=4, n=4)
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0] * 4)
+    from rlworkers.algorithms.core_algos import compute_token_level_scores
+
+    out.batch["token_level_scores"] = compute_token_level_scores(scores, out.batch["response_mask"])
+    out, _ = compute_advantage(out, "grpo")
+    adv = (out.batch["advantages"] * out.batch["response_mask"]).sum(-1) / out.batch["response_mask"].sum(-1)
+    assert adv[0] > 0 and (adv[1:4] < 0).all()  # the one right answer of its group is pushed up
+    metrics = compute_data_metrics(out)
+    assert metrics["critic/score/mean"] == pytest.approx(0.25)
+    assert 1 <= metrics["response_length/mean"] <= 5
+
+
+def test_config_rejects_bad_values(tiny_path):
+    with pytest.raises(ValueError, match="ppo_micro_batch_size_per_gpu"):
+        worker_config(tiny_path, actor={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 8})
+    with pytest.raises(ValueError, match="nccl"):
+        WorkerConfig.model_validate({"backend": "nccl"})
+    with pytest.raises(ValueError, match="lr"):
+        WorkerConfig.model_validate({"actor": {"optim": {"lr": -1}}})
