@@ -29,7 +29,7 @@ from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers import common
 from rlworkers.workers.config import WorkerConfig
-from rlworkers.workers.rollout.hf_rollout import HFRollout
+from rlworkers.workers.rollout import build_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ class ActorRolloutRefWorker(Worker):
             self.lr_scheduler = common.build_lr_scheduler(self.optimizer, cfg.actor.optim)
             self.policy_loss_fn = core_algos.get_policy_loss_fn(cfg.actor.policy_loss)
         if self._is_rollout:
-            if cfg.rollout.name != "hf":
-                from rlworkers.workers.rollout import vllm_rollout  # noqa: F401  (raises a clear error if missing)
-            self.rollout = HFRollout(self.model, self.tokenizer, cfg.rollout)
+            self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, path)
         if self._is_ref:
             self.ref_model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(self.device)
             self.ref_model.eval().requires_grad_(False)
@@ -131,6 +129,7 @@ class ActorRolloutRefWorker(Worker):
                 metrics["actor/grad_norm"].append(self._optimizer_step(cfg.optim.grad_clip))
         self.lr_scheduler.step()
         self.update_steps += 1
+        self._sync_rollout_weights()
         metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
         return DataProto(meta_info={"metrics": {k: float(np.mean(v)) for k, v in metrics.items()}})
 
@@ -177,8 +176,13 @@ class ActorRolloutRefWorker(Worker):
             loss_sum += loss.item()
         grad_norm = self._optimizer_step(self.config.actor.optim.grad_clip)
         self.lr_scheduler.step()
+        self._sync_rollout_weights()
         metrics = {"sft/loss": loss_sum, "sft/grad_norm": grad_norm, "sft/lr": self.lr_scheduler.get_last_lr()[0]}
         return DataProto(meta_info={"metrics": metrics})
+
+    def _sync_rollout_weights(self) -> None:
+        if self._is_rollout:
+            self.rollout.sync_weights(self.model)
 
     def _maybe_no_sync(self, last: bool):
         if isinstance(self.module, torch.nn.parallel.DistributedDataParallel) and not last:
@@ -225,6 +229,7 @@ class ActorRolloutRefWorker(Worker):
             if real_missing or unexpected:
                 raise ValueError(f"{local_path}: checkpoint does not match the model (missing {real_missing[:5]}, "
                                  f"unexpected {unexpected[:5]})")
+        self._sync_rollout_weights()
         if self._is_actor and load_optimizer:
             saved = common.load_torch(os.path.join(local_path, f"actor_state_rank_{self.rank}.pt"))
             self.optimizer.load_state_dict(saved["optimizer"])

@@ -20,6 +20,9 @@ class HFRollout:
     def __init__(self, model, tokenizer, config: RolloutConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
 
+    def sync_weights(self, model) -> None:
+        """Nothing to do: HF generate samples from the actor's own module."""
+
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         meta = prompts.meta_info
