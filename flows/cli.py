@@ -1,11 +1,65 @@
-"""The ``rlflow`` command line."""
+"""The ``rlflow`` command line.
+
+    rlflow server up|down|status                              local Prefect + MLflow servers (127.0.0.1)
+    rlflow train grpo --config demo trainer.total_steps=50    run a training flow (sft, grpo, ppo, online_dpo)
+    rlflow runs                                               runs with their Prefect and MLflow links
+    rlflow demo                                               SFT warm-up then GRPO on the built-in task
+"""
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from flows.services import server_app
 
 app = typer.Typer(help="RL post-training of language models as Prefect flows over Ray worker groups.",
-                  no_args_is_help=True)
+                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+app.add_typer(server_app, name="server")
+console = Console()
+
+ALGORITHMS = ("sft", "grpo", "ppo", "online_dpo")
+
+
+def get_flow(algorithm: str):
+    if algorithm == "sft":
+        from flows.sft import sft as flow_fn
+    elif algorithm == "grpo":
+        from flows.grpo import grpo as flow_fn
+    elif algorithm == "ppo":
+        from flows.ppo import ppo as flow_fn
+    elif algorithm == "online_dpo":
+        from flows.online_dpo import online_dpo as flow_fn
+    else:
+        raise typer.BadParameter(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return flow_fn
+
+
+def use_running_services() -> None:
+    """Point this process at the servers `rlflow server up` started, unless the environment already names some."""
+    from flows.services import ServiceConfig, apply_service_env, service_status
+
+    if os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    status = service_status(ServiceConfig())
+    if all(s.get("healthy") for s in status.values()) and status:
+        apply_service_env({"PREFECT_API_URL": status["prefect"]["url"] + "/api",
+                           "MLFLOW_TRACKING_URI": status["mlflow"]["url"]})
+
+
+def run_training(algorithm: str, config) -> dict:
+    """Run one training flow on a RayTaskRunner built from the config."""
+    from prefect_ray import RayTaskRunner
+
+    from flows.runtime import ray_init_kwargs
+
+    flow_fn = get_flow(algorithm)
+    runner = RayTaskRunner(address=config.trainer.ray_address, init_kwargs=ray_init_kwargs(config))
+    return flow_fn.with_options(task_runner=runner)(config=config)
 
 
 @app.callback()
@@ -13,12 +67,55 @@ def main() -> None:
     """rlflow: run, resume and inspect RL post-training runs."""
 
 
-@app.command()
-def demo() -> None:
-    """Run the built-in demo on this machine."""
-    from flows.demo import main
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    algorithm: str = typer.Argument(..., help=f"one of {', '.join(ALGORITHMS)}"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file or preset name in configs/"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="key.path=value overrides"),
+) -> None:
+    """Train: validates the config (before anything starts), then runs the flow."""
+    from flows.config import ConfigError, load_config
 
-    main()
+    get_flow(algorithm)
+    try:
+        cfg = load_config(config, overrides or [])
+    except (ConfigError, FileNotFoundError, ValueError) as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2)
+    use_running_services()
+    metrics = run_training(algorithm, cfg)
+    console.print({k: round(v, 4) for k, v in (metrics or {}).items() if "score" in k or "loss" in k})
+
+
+@app.command()
+def runs(limit: int = typer.Option(20, help="most recent runs to list")) -> None:
+    """List training runs with their Prefect and MLflow links."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    use_running_services()
+    client = MlflowClient()
+    table = Table("run", "algorithm", "status", "steps", "Prefect flow run", "MLflow run")
+    base = mlflow.get_tracking_uri().rstrip("/")
+    for run in client.search_runs(experiment_ids=[e.experiment_id for e in client.search_experiments()],
+                                  max_results=limit, order_by=["attributes.start_time DESC"]):
+        tags = run.data.tags
+        steps = max((h.step for h in client.get_metric_history(run.info.run_id, "timing_s/step")), default=0)
+        table.add_row(tags.get("rlflow.run_name", run.info.run_name), tags.get("algorithm", ""), run.info.status,
+                      str(steps), tags.get("prefect.flow_run_url", ""),
+                      f"{base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+    console.print(table)
+
+
+@app.command()
+def demo(
+    sft_steps: Optional[int] = typer.Option(None, help="override the SFT steps of configs/demo-sft.yaml"),
+    grpo_steps: Optional[int] = typer.Option(None, help="override the GRPO steps of configs/demo.yaml"),
+) -> None:
+    """Start the services, SFT-warm the tiny model, then GRPO; print before/after accuracy and where to look."""
+    from flows.demo import main as run_demo
+
+    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps)
 
 
 if __name__ == "__main__":

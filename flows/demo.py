@@ -1,50 +1,68 @@
-"""`make demo` (until the training flows land): the single controller on this machine.
+"""`make demo`: the whole product on this machine in about ten minutes.
 
-Starts local Ray, creates a group of two CPU workers, and sends one uneven DataProto batch through a
-DP_COMPUTE_PROTO method (split, padded, computed on both workers, merged, padding removed), then all-reduces a
-tensor across the two workers over gloo. Prints what each step did.
+1. starts the local Prefect and MLflow servers (`rlflow server up`);
+2. SFT-warms the tiny offline model on 2-digit addition (configs/demo-sft.yaml), as a Prefect flow on Ray;
+3. runs GRPO from the SFT model (configs/demo.yaml);
+4. prints the validation accuracy before and after each phase, and where to look in the Prefect and MLflow UIs.
 """
 
 from __future__ import annotations
 
-import torch
+import time
+
 from rich.console import Console
 from rich.table import Table
 
-from rlworkers.protocol import DataProto
-from rlworkers.single_controller import Dispatch, Worker, register
-from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+console = Console()
 
 
-class SquareWorker(Worker):
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def square(self, data: DataProto) -> DataProto:
-        rank = torch.full((len(data),), self.rank)
-        return DataProto.from_dict({"x": data.batch["x"], "x_squared": data.batch["x"] ** 2, "rank": rank})
+def _val_history(run_id: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def all_reduce_rank(self) -> float:
-        self.init_process_group()
-        value = torch.tensor([float(self.rank + 1)])
-        torch.distributed.all_reduce(value)
-        return value.item()
+    return [(m.step, m.value) for m in sorted(MlflowClient().get_metric_history(run_id, "val/score/mean"),
+                                              key=lambda m: m.step)]
 
 
-def main() -> None:
-    import ray
+def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
+    from mlflow.tracking import MlflowClient
 
-    console = Console()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=SquareWorker))
-    out = group.square(DataProto.from_dict({"x": torch.arange(5.0)}))
-    table = Table("x", "x squared", "computed on rank", title="square() over 2 workers (5 rows, padded to 6)")
-    for x, sq, rank in zip(out.batch["x"].tolist(), out.batch["x_squared"].tolist(), out.batch["rank"].tolist()):
-        table.add_row(f"{x:g}", f"{sq:g}", str(rank))
+    from flows.cli import run_training
+    from flows.config import load_config, runs_root
+    from flows.services import ServiceConfig, apply_service_env, start_services
+
+    urls = start_services(ServiceConfig())
+    apply_service_env(urls)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    sft_overrides = [f"trainer.run_name=demo-sft-{stamp}", "trainer.resume=never"]
+    if sft_steps:
+        sft_overrides += [f"trainer.total_steps={sft_steps}", f"trainer.save_freq={sft_steps}",
+                          f"trainer.test_freq={sft_steps}"]
+    sft_config = load_config("demo-sft", sft_overrides)
+    grpo_overrides = [f"trainer.run_name=demo-grpo-{stamp}", "trainer.resume=never"]
+    if grpo_steps:
+        grpo_overrides += [f"trainer.total_steps={grpo_steps}"]
+    load_config("demo", grpo_overrides)  # validate both configs before anything starts
+
+    console.rule("1/2  SFT warm-up")
+    started = time.time()
+    run_training("sft", sft_config)
+    sft_model = f"{runs_root(sft_config)}/final_model"
+    console.rule("2/2  GRPO from the SFT model")
+    grpo_config = load_config("demo", grpo_overrides + [f"model.path={sft_model}"])
+    run_training("grpo", grpo_config)
+
+    client = MlflowClient()
+    table = Table("phase", "run", "val accuracy before", "val accuracy after", "MLflow run")
+    for name in (sft_config.trainer.run_name, grpo_config.trainer.run_name):
+        run = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
+                                 filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
+        history = _val_history(run.info.run_id)
+        table.add_row(run.data.tags.get("algorithm"), name, f"{history[0][1]:.1%} (step {history[0][0]})",
+                      f"{history[-1][1]:.1%} (step {history[-1][0]})",
+                      f"{urls['mlflow_ui']}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
     console.print(table)
-    console.print(f"all_reduce over gloo of rank+1 on each worker: {group.all_reduce_rank()}")
-    ray.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    console.print(f"done in {time.time() - started:.0f}s")
+    console.print(f"Prefect UI (flow runs, task runs per stage, checkpoint artifacts): {urls['prefect_ui']}")
+    console.print(f"MLflow UI (metrics, params, sample generations, model): {urls['mlflow_ui']}")
+    console.print(f"Checkpoints and final models: {sft_config.trainer.runs_dir}/")
+    console.print("Stop the servers with `.venv/bin/rlflow server down`.")

@@ -331,3 +331,18 @@ def test_busy_pool_times_out_naming_free_resources(ray_cluster):
     again = RayResourcePool([1], use_gpu=False, max_colocate_count=1, placement_timeout_s=10)
     assert len(again.get_placement_groups()) == 1  # nothing was left reserved by the failed attempt
     again.remove()
+
+
+@ray.remote
+def _call_group_remotely(group, data):
+    return group.double(data), group.whoami()
+
+
+def test_worker_group_travels_to_another_process(echo_group):
+    """A group passed to a Ray task (as Prefect stage tasks receive it) keeps working there."""
+    out, infos = ray.get(_call_group_remotely.remote(echo_group, batch(5)))
+    assert torch.equal(out.batch["x"], torch.arange(5, dtype=torch.float32) * 2)
+    assert [i["rank"] for i in infos] == [0, 1, 2, 3]
+    state = echo_group.__getstate__()
+    assert not any(callable(v) and hasattr(v, "__code__") for v in state.values())  # handles and bindings only
+    assert len(ray.cloudpickle.dumps(echo_group)) < 50_000

@@ -77,6 +77,7 @@ class WorkerGroup:
         self._worker_names: list[str] = []
         self._master_addr: str | None = None
         self._master_port: str | None = None
+        self._bindings: list[tuple[type, str]] = []  # (worker class, remote prefix) bound on this group
 
     @property
     def world_size(self) -> int:
@@ -92,6 +93,7 @@ class WorkerGroup:
         ``remote_prefix`` names the method on the remote actor (``"actor_"`` for colocated role workers).
         """
         bound = []
+        self._bindings = [*self._bindings, (user_defined_cls, remote_prefix)]
         for name, attrs in registered_methods(user_defined_cls).items():
             fns = get_predefined_dispatch_fn(attrs["dispatch_mode"])
             func = func_generator(

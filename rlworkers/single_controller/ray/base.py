@@ -118,6 +118,9 @@ class RayClassWithInitArgs(ClassWithInitArgs):
         self._options: dict[str, Any] = {}
         self._additional_resource: dict[str, float] = {}
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_actor_cls": None}  # the Ray actor class is rebuilt where it is needed
+
     def update_options(self, options: dict) -> None:
         self._options.update(options)
 
@@ -291,6 +294,19 @@ class RayWorkerGroup(WorkerGroup):
 
     execute_rank_zero = execute_rank_zero_async
 
+    # ------------------------------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict:
+        # Bound methods are closures over this group; send handles and bindings, rebind on arrival. This is what
+        # lets a group travel as an argument to a Prefect task running in another Ray process.
+        return {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
+
+    def __setstate__(self, state: dict) -> None:
+        bindings = state.pop("_bindings", [])
+        self.__dict__.update(state)
+        self._bindings = []
+        for user_cls, prefix in bindings:
+            self._bind_worker_method(user_cls, func_generator, remote_prefix=prefix)
+
     # ------------------------------------------------------------------------------------------- colocation
     def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
         """One group per role of a colocated worker class, all sharing these actors."""
@@ -301,6 +317,7 @@ class RayWorkerGroup(WorkerGroup):
         for prefix in prefix_set:
             group = copy.copy(self)
             group.__dict__ = {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
+            group._bindings = []
             group._bind_worker_method(role_classes[prefix], func_generator, remote_prefix=f"{prefix}_")
             groups[prefix] = group
         return groups

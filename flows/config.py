@@ -1,0 +1,215 @@
+"""Run configuration: pydantic models (so Prefect deployments get parameter forms), YAML presets in ``configs/``
+and ``key=value`` overrides from the command line. Everything is validated before any worker starts; an error
+names the field and what to change.
+
+    config = load_config("configs/demo.yaml", ["trainer.total_steps=50", "actor.optim.lr=1e-4"])
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlworkers.workers.config import (
+    ActorConfig,
+    CriticConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    WorkerConfig,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TaskConfig(_Frozen):
+    """The built-in synthetic task, used when ``data.train_files`` is not set."""
+
+    name: Literal["addition"] = "addition"
+    num_train: int = Field(2000, gt=0)
+    num_val: int = Field(200, gt=0)
+    max_digits: int = Field(2, ge=1, le=6)
+    seed: int = 0
+
+
+class DataConfig(_Frozen):
+    train_files: list[str] | None = Field(None, description="parquet/jsonl files; unset = the built-in task")
+    val_files: list[str] | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    response_key: str = Field("response", description="SFT target column")
+    train_batch_size: int = Field(32, gt=0, description="prompts per step")
+    val_batch_size: int | None = Field(None, gt=0, description="validation prompts (unset = all)")
+    max_prompt_length: int = Field(64, gt=0)
+    shuffle: bool = True
+    task: TaskConfig = TaskConfig()
+
+
+class KLControlConfig(_Frozen):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    target_kl: float = Field(0.1, gt=0)
+    horizon: int = Field(10000, gt=0)
+
+
+class AlgorithmConfig(_Frozen):
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                           "grpo_passk"] = "grpo"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    dpo_beta: float = Field(0.1, gt=0, description="online DPO: strength of the reference anchor")
+
+
+class TrainerConfig(_Frozen):
+    project_name: str = Field("rlflow", description="MLflow experiment")
+    run_name: str = Field("demo", description="names the run folder and resume target; same name = same run")
+    total_steps: int = Field(20, gt=0)
+    save_freq: int = Field(10, description="checkpoint every N steps (and at the end); <= 0: only at the end")
+    test_freq: int = Field(10, description="validate every N steps (and before the first and after the last)")
+    keep_last_checkpoints: int = Field(2, description="retention; <= 0 keeps all")
+    runs_dir: str = Field("runs", description="local path or fsspec URL (s3://...) shared by driver and workers")
+    resume: str = Field("auto", description="'auto' (newest valid checkpoint of run_name), 'never', or a path")
+    n_workers: int = Field(2, gt=0, description="data-parallel actor workers")
+    device: Literal["cpu", "cuda"] = "cpu"
+    ray_address: str | None = Field(None, description="existing Ray cluster; unset = start a local one")
+    ray_num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray (placement slots)")
+    log_samples: int = Field(8, ge=0, description="sample generations logged per validation")
+    log_model: bool = Field(True, description="log the final model to MLflow")
+    register_model_name: str | None = Field(None, description="also register the final model under this name")
+    fault_injection: str | None = Field(None, description="test hook: '<stage>@<step>' fails that stage once")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.fault_injection and not re.fullmatch(r"[a-z_]+@\d+", self.fault_injection):
+            raise ValueError("trainer.fault_injection must look like 'update_actor@3'")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.run_name):
+            raise ValueError("trainer.run_name may only hold letters, digits, '_', '-' and '.'")
+        return self
+
+
+class RLConfig(_Frozen):
+    """One training run: model, data, algorithm, workers, trainer."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    actor: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    critic: CriticConfig = CriticConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _check_batches(self):
+        rows = self.data.train_batch_size * self.rollout.n
+        n = self.trainer.n_workers
+        for name, value in (("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size),
+                            ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size)):
+            if value % n:
+                raise ValueError(f"{name} ({value}) must be divisible by trainer.n_workers ({n})")
+        if rows % self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size x rollout.n ({rows}) must be a multiple of actor.ppo_mini_batch_size "
+                f"({self.actor.ppo_mini_batch_size})")
+        if self.actor.ppo_micro_batch_size_per_gpu > self.actor.ppo_mini_batch_size // n:
+            raise ValueError(
+                f"actor.ppo_micro_batch_size_per_gpu ({self.actor.ppo_micro_batch_size_per_gpu}) exceeds the "
+                f"per-worker mini-batch ({self.actor.ppo_mini_batch_size // n}); lower it")
+        return self
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(model=self.model, actor=self.actor, rollout=self.rollout, device=self.trainer.device,
+                            seed=self.trainer.seed)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like key.path=value (e.g. trainer.total_steps=50)")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(path[:-1])} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def resolve_preset(path_or_name: str) -> Path:
+    """A YAML path, or the name of a preset in configs/ ('demo' -> configs/demo.yaml)."""
+    candidate = Path(path_or_name)
+    if candidate.is_file():
+        return candidate
+    preset = CONFIG_DIR / f"{path_or_name.removesuffix('.yaml')}.yaml"
+    if preset.is_file():
+        return preset
+    available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise FileNotFoundError(f"config {path_or_name!r} not found; give a YAML path or one of the presets {available}")
+
+
+def load_config(path_or_name: str | None = None, overrides: list[str] | None = None) -> RLConfig:
+    """Preset (or defaults) + overrides, validated. Raises ``ConfigError`` naming the field."""
+    data: dict = {}
+    if path_or_name:
+        with open(resolve_preset(path_or_name)) as f:
+            data = yaml.safe_load(f) or {}
+    apply_overrides(data, list(overrides or []))
+    return validate_config(data)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message lists each bad field as a dotted path."""
+
+
+def validate_config(data: dict | RLConfig) -> RLConfig:
+    if isinstance(data, RLConfig):
+        return data
+    try:
+        return RLConfig.model_validate(data)
+    except ValidationError as error:
+        lines = []
+        for problem in error.errors():
+            field = ".".join(str(p) for p in problem["loc"]) or "(config)"
+            lines.append(f"  {field}: {problem['msg']}")
+        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+
+
+def flatten(config: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
+    """``{"actor.optim.lr": 1e-4, ...}``: the config as MLflow params."""
+    data = config.model_dump() if isinstance(config, BaseModel) else config
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def runs_root(config: RLConfig) -> str:
+    runs = config.trainer.runs_dir
+    if "://" not in runs:
+        runs = os.path.abspath(runs)
+    return f"{runs.rstrip('/')}/{config.trainer.run_name}"

@@ -1,0 +1,54 @@
+"""GRPO (DeepSeekMath, arXiv:2402.03300) as a Prefect flow: the controller of the HybridFlow single-controller design.
+
+Each step, for a batch of prompts:
+  1. sample ``rollout.n`` responses per prompt                  generate_sequences  (actor group)
+  2. score them, and in parallel recompute the rollout policy's  compute_reward      (reward group)
+     log-probs and the reference's                               compute_log_prob / compute_ref_log_prob
+  3. advantages: each response's reward against its group's      compute_advantage   (pure function)
+  4. PPO-clip update of the policy (+ KL to the reference)       update_actor        (actor group)
+then validate / checkpoint on schedule. Run it with ``rlflow train grpo --config demo``.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.config import RLConfig
+from flows.runtime import start_run
+from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
+    generate_sequences, update_actor
+
+CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_actor"]]
+
+
+@flow(name="grpo", retries=1, persist_result=False, validate_parameters=True)
+def grpo(config: RLConfig) -> dict:
+    run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
+    actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
+    algorithm = config.algorithm.model_dump()
+    status = "FAILED"
+    try:
+        if run.start_step == 1:
+            run.validate(step=0)
+        for step in run.steps:
+            metrics = {}
+            with run.step_timer(metrics):
+                prompts = run.next_prompts()
+                gen = generate_sequences.submit(actor, prompts)                                      # 1
+                scores = compute_reward.submit(reward, gen)                                          # 2
+                old = compute_log_prob.submit(actor, gen)
+                ref_lp = compute_ref_log_prob.submit(ref, gen)
+                batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state)  # 3
+                result = update_actor.submit(actor, batch, config.trainer.fault_injection, step, run.root).result()  # 4
+            metrics.update(result["metrics"])
+            run.kl_ctrl_state = result["kl_ctrl_state"]
+            run.log_step(step, metrics, CRITICAL_PATH)
+            if run.should_validate(step):
+                run.validate(step)
+            if run.should_save(step):
+                run.save(step)
+        run.save_final_model()
+        status = "FINISHED"
+        return run.last_metrics
+    finally:
+        run.close(status)

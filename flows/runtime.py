@@ -1,0 +1,261 @@
+"""What every training flow does around its loop: check the services, build the worker groups in the flow
+process, load data, open (or resume) the MLflow run, resume from the newest valid checkpoint, validate, save
+checkpoints and publish them as Prefect artifacts. The flows themselves (``flows/grpo.py`` ...) stay the algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+from prefect import get_run_logger, task
+
+from flows.config import RLConfig, flatten, runs_root
+from flows.stages import IDEMPOTENT, validate
+from flows.tracking import ProgressArtifact, Tracker, prefect_flow_run_links, publish_checkpoint_artifact, \
+    publish_mlflow_link
+from rlworkers.checkpoint import apply_retention, begin_checkpoint, commit_checkpoint, list_checkpoints, read_json, \
+    resolve_resume, write_json
+from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
+from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
+from rlworkers.data.synthetic import ensure_addition_dataset
+from rlworkers.models.loading import load_tokenizer, resolve_model_path
+from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
+from rlworkers.workers.critic import CriticWorker
+from rlworkers.workers.reward import RewardWorker
+
+logger = logging.getLogger(__name__)
+
+
+def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, **init_kwargs) -> RayWorkerGroup:
+    pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=cls, **init_kwargs))
+    group.init_model()
+    return group
+
+
+def dataset_rows(config: RLConfig, split: str) -> list[dict]:
+    files = config.data.train_files if split == "train" else config.data.val_files
+    if files:
+        return load_prompt_dataset(files, prompt_key=config.data.prompt_key)
+    task_cfg = config.data.task
+    data_dir = f"{config.trainer.runs_dir.rstrip('/')}/_data/{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}"
+    paths = ensure_addition_dataset(data_dir, num_train=task_cfg.num_train, num_val=task_cfg.num_val,
+                                    max_digits=task_cfg.max_digits, seed=task_cfg.seed)
+    return load_prompt_dataset(paths[split], prompt_key="prompt")
+
+
+@dataclass
+class Run:
+    """The state of one training run inside its flow."""
+
+    config: RLConfig
+    algorithm: str
+    root: str
+    tokenizer: object
+    loader: PromptDataLoader
+    val_rows: list[dict]
+    tracker: Tracker
+    groups: dict[str, RayWorkerGroup] = field(default_factory=dict)
+    start_step: int = 1
+    kl_ctrl_state: dict | None = None
+    progress: ProgressArtifact | None = None
+    last_metrics: dict = field(default_factory=dict)
+
+    @property
+    def checkpoint_root(self) -> str:
+        return f"{self.root}/checkpoints"
+
+    @property
+    def steps(self) -> range:
+        return range(self.start_step, self.config.trainer.total_steps + 1)
+
+    # ------------------------------------------------------------------------------------------ batches
+    def next_prompts(self):
+        rows = self.loader.next_batch()
+        return prompt_batch(rows, self.tokenizer, prompt_key=self.config.data.prompt_key,
+                            answer_key=self.config.data.answer_key, max_prompt_length=self.config.data.max_prompt_length)
+
+    def next_sft_batch(self):
+        return sft_batch(self.loader.next_batch(), self.tokenizer, prompt_key=self.config.data.prompt_key,
+                         response_key=self.config.data.response_key)
+
+    # ------------------------------------------------------------------------------------------ per step
+    @contextmanager
+    def step_timer(self, metrics: dict):
+        start = time.perf_counter()
+        yield
+        metrics["timing_s/step"] = time.perf_counter() - start
+
+    def log_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
+        """Log a step's metrics with throughput and the controller's share of the step time.
+
+        ``critical_path`` lists the stages in order; stages in one inner list ran concurrently (their max counts).
+        """
+        wall = metrics["timing_s/step"]
+        worker_time = sum(max(metrics.get(f"timing_s/{s}", 0.0) for s in group) for group in critical_path)
+        metrics["perf/orchestration_overhead_frac"] = max(0.0, 1.0 - worker_time / wall)
+        metrics["perf/worker_time_s"] = worker_time
+        if "response_length/mean" in metrics:
+            tokens = metrics["response_length/mean"] * self.config.data.train_batch_size * self.config.rollout.n
+            metrics["perf/throughput"] = tokens / wall
+        self.tracker.log_metrics(metrics, step)
+        self.last_metrics = metrics
+        if self.progress:
+            self.progress.update(step)
+        get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
+
+    def should_validate(self, step: int) -> bool:
+        freq = self.config.trainer.test_freq
+        return step == self.config.trainer.total_steps or (freq > 0 and step % freq == 0)
+
+    def should_save(self, step: int) -> bool:
+        freq = self.config.trainer.save_freq
+        return step == self.config.trainer.total_steps or (freq > 0 and step % freq == 0)
+
+    # ------------------------------------------------------------------------------------------ validation
+    def validate(self, step: int) -> dict[str, float]:
+        rows = self.val_rows[: self.config.data.val_batch_size or len(self.val_rows)]
+        prompts = prompt_batch(rows, self.tokenizer, prompt_key=self.config.data.prompt_key,
+                               answer_key=self.config.data.answer_key)
+        out = validate.submit(self.groups["actor"], self.groups["reward"], prompts).result()
+        scores = out.non_tensor_batch["score"].astype(float)
+        metrics = {"val/score/mean": float(np.mean(scores)), "timing_s/validate": out.meta_info["timing_s/validate"]}
+        for source in sorted(set(out.non_tensor_batch["data_source"])):
+            mask = out.non_tensor_batch["data_source"] == source
+            metrics[f"val/{source or 'default'}/score/mean"] = float(np.mean(scores[mask]))
+        responses = decode_responses(out, self.tokenizer)
+        samples = [{"step": step, "prompt": p, "response": r, "ground_truth": g, "score": float(s)}
+                   for p, r, g, s in zip(out.non_tensor_batch["raw_prompt"], responses,
+                                         out.non_tensor_batch["ground_truth"], scores)][: self.config.trainer.log_samples]
+        if samples:
+            self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
+        self.tracker.log_metrics(metrics, step)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> str:
+        state = {"step": step, "algorithm": self.algorithm, "loader": self.loader.state_dict(),
+                 "kl_ctrl_state": self.kl_ctrl_state, "mlflow_run_id": self.tracker.run_id,
+                 "world_size": self.config.trainer.n_workers, "config": self.config.model_dump(mode="json")}
+        roles = {name: group for name, group in self.groups.items() if name in ("actor", "critic")}
+        path, manifest = save_checkpoint.submit(self.checkpoint_root, step, roles, state,
+                                                self.config.trainer.keep_last_checkpoints).result()
+        publish_checkpoint_artifact(self.config.trainer.run_name, step, path, self.last_metrics)
+        self.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
+        return path
+
+    def save_final_model(self) -> str:
+        path = f"{self.root}/final_model"
+        self.groups["actor"].save_checkpoint(path)
+        self.tracker.set_tags({"final_model_path": path})
+        if self.config.trainer.log_model:
+            uri = self.tracker.log_model(path, register_as=self.config.trainer.register_model_name)
+            self.tracker.set_tags({"final_model_uri": uri})
+        return path
+
+    def close(self, status: str) -> None:
+        for group in self.groups.values():
+            group.shutdown()
+            if group.resource_pool is not None:
+                group.resource_pool.remove()
+        self.tracker.finish(status)
+
+
+@task(name="save_checkpoint", **IDEMPOTENT)
+def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int) -> tuple[str, dict]:
+    """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically)."""
+    step_dir = begin_checkpoint(root, step, overwrite=True)
+    for role, group in roles.items():
+        group.save_checkpoint(f"{step_dir}/{role}")
+    write_json(f"{step_dir}/trainer_state.json", trainer_state)
+    manifest = commit_checkpoint(step_dir, {"step": step, "world_size": trainer_state["world_size"]},
+                                 required=["trainer_state.json"])
+    apply_retention(root, keep_last)
+    return step_dir, manifest
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Run:
+    """Resolve resume, open the MLflow run, build the worker groups (``roles`` among actor, ref, reward, critic)."""
+    from flows.services import require_mlflow_tracking, require_prefect_api
+
+    require_prefect_api()
+    require_mlflow_tracking()
+    root = runs_root(config)
+    resume = resolve_resume(f"{root}/checkpoints", config.trainer.resume)
+    if resume is None and config.trainer.resume == "never" and list_checkpoints(f"{root}/checkpoints"):
+        raise RuntimeError(f"run {config.trainer.run_name!r} already has checkpoints under {root}/checkpoints; "
+                           "use trainer.resume=auto to continue it, or choose another trainer.run_name")
+    state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
+    if state and state["algorithm"] != algorithm:
+        raise RuntimeError(f"{resume[0]} is a {state['algorithm']} checkpoint; this is the {algorithm} flow")
+
+    links = prefect_flow_run_links()
+    tracker = Tracker(config.trainer.project_name, config.trainer.run_name,
+                      run_id=state["mlflow_run_id"] if state else None,
+                      tags={"algorithm": algorithm, "rlflow.run_name": config.trainer.run_name, **links})
+    tracker.log_params(flatten(config))
+    publish_mlflow_link(config.trainer.run_name, tracker.url)
+
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = load_tokenizer(model_path)
+    loader = PromptDataLoader(dataset_rows(config, "train"), batch_size=config.data.train_batch_size,
+                              shuffle=config.data.shuffle, seed=config.trainer.seed)
+    run = Run(config=config, algorithm=algorithm, root=root, tokenizer=tokenizer, loader=loader,
+              val_rows=dataset_rows(config, "validation"), tracker=tracker)
+    run.groups = _build_groups(config, roles, model_path)
+    if resume:
+        _restore(run, resume[0], state)
+    run.progress = ProgressArtifact(config.trainer.run_name, config.trainer.total_steps)
+    get_run_logger().info("%s run %r: steps %d..%d, MLflow %s%s", algorithm, config.trainer.run_name, run.start_step,
+                          config.trainer.total_steps, tracker.url, f" (resumed from {resume[0]})" if resume else "")
+    return run
+
+
+def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup]:
+    use_gpu = config.trainer.device == "cuda"
+    worker_config = config.worker_config().model_copy(update={"model": config.model.model_copy(update={"path": model_path})})
+    groups = {}
+    if "actor" in roles:
+        groups["actor"] = build_group(ActorRolloutRefWorker, config.trainer.n_workers, use_gpu=use_gpu,
+                                      config=worker_config, role="actor_rollout")
+    if "ref" in roles:
+        groups["ref"] = build_group(ActorRolloutRefWorker, 1, use_gpu=use_gpu, config=worker_config, role="ref")
+    if "critic" in roles:
+        groups["critic"] = build_group(CriticWorker, config.trainer.n_workers, use_gpu=use_gpu, config=config.critic,
+                                       model=worker_config.model, device=config.trainer.device, seed=config.trainer.seed)
+    if "reward" in roles:
+        groups["reward"] = build_group(RewardWorker, 1, use_gpu=False, cpus_per_worker=0.5, config=config.reward,
+                                       tokenizer_path=model_path)
+    return groups
+
+
+def _restore(run: Run, path: str, state: dict) -> None:
+    for role in ("actor", "critic"):
+        if role in run.groups:
+            run.groups[role].load_checkpoint(f"{path}/{role}")
+    run.loader.load_state_dict(state["loader"])
+    run.kl_ctrl_state = state["kl_ctrl_state"]
+    run.start_step = state["step"] + 1
+
+
+def _summary(metrics: dict) -> str:
+    keys = ("critic/score/mean", "sft/loss", "actor/pg_loss", "actor/kl_loss", "val/score/mean", "timing_s/step",
+            "perf/orchestration_overhead_frac")
+    return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+
+
+def ray_init_kwargs(config: RLConfig) -> dict:
+    """What RayTaskRunner starts Ray with: the service URLs travel to every worker, also on other nodes."""
+    env = {k: os.environ[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
+           if k in os.environ}
+    kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": env}}
+    if config.trainer.ray_num_cpus:
+        kwargs["num_cpus"] = config.trainer.ray_num_cpus
+    return kwargs

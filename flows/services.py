@@ -1,0 +1,593 @@
+"""Local services: a Prefect API server and an MLflow tracking server for this project.
+
+``rlflow server up`` starts both as detached background processes that keep running after the command returns,
+with SQLite backends under a project-local state folder (``.rlflow/`` in the current directory, or ``$RLFLOW_HOME``),
+bound to 127.0.0.1 unless ``--host`` says otherwise. It waits until both answer their health endpoints, records
+their pids in ``<state_dir>/services.json`` and writes ``<state_dir>/env.sh``::
+
+    rlflow server up            # idempotent: healthy services recorded in services.json are reused
+    source .rlflow/env.sh       # exports PREFECT_API_URL and MLFLOW_TRACKING_URI
+    rlflow server status
+    rlflow server down
+
+Layout of the state folder::
+
+    services.json  env.sh  logs/{prefect,mlflow}.log
+    prefect/       PREFECT_HOME of the server: prefect.db (SQLite)
+    mlflow/        mlflow.db (SQLite backend store), artifacts/ (served over HTTP by the tracking server)
+
+Flows call :func:`require_prefect_api` (and :func:`require_mlflow_tracking`) before they start: without
+PREFECT_API_URL Prefect would start a temporary in-process API server, and under the Ray task runner every Ray
+worker would start its own (../shared/reference/prefect_mlflow.md §0.6, §3), so those are refused with the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+logger = logging.getLogger(__name__)
+
+PREFECT_API_URL = "PREFECT_API_URL"
+MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+SERVICES = ("prefect", "mlflow")
+_SERVICES_FILE = "services.json"
+_ENV_FILE = "env.sh"
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+_WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+
+class ServiceError(RuntimeError):
+    """A local service cannot be started, reached or used; the message says how to fix it."""
+
+
+def _default_state_dir() -> Path:
+    return Path(os.environ.get("RLFLOW_HOME") or ".rlflow")
+
+
+class ServiceConfig(BaseModel):
+    """Where and how the local services run. Binding to anything but 127.0.0.1 must be asked for with ``host``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state_dir: Path = Field(default_factory=_default_state_dir, validate_default=True,
+                            description="State folder (default .rlflow in the current directory, or $RLFLOW_HOME).")
+    host: str = Field("127.0.0.1", description="Interface both servers bind to; 0.0.0.0 exposes them to the network.")
+    prefect_port: int = Field(4200, ge=1, le=65535)
+    mlflow_port: int = Field(5000, ge=1, le=65535)
+    startup_timeout_s: float = Field(90.0, gt=0, description="How long to wait for both health endpoints.")
+    stop_grace_s: float = Field(10.0, ge=0, description="SIGTERM to SIGKILL delay when stopping.")
+    # One uvicorn worker: the handlers are thread-pooled, so one worker serves several logging processes, and
+    # MLflow's default of 4 costs ~4 python processes (and their start-up) on a 2-core machine.
+    mlflow_workers: int = Field(1, ge=1)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        # Absolute once, here: the SQLite URIs and env.sh must not depend on a later working directory.
+        return value.expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How to launch one service and how to tell that it is up."""
+
+    name: str
+    port: int
+    option: str  # the CLI option that changes the port, named in errors
+    url: str  # what clients use (UI link, tracking URI, base of the API URL)
+    health_url: str
+    command: list[str]
+    env: dict[str, str]
+    log: Path
+
+
+def _url_host(host: str) -> str:
+    """The host clients use to reach a server bound to ``host`` (a wildcard bind is reached on loopback)."""
+    if host in _WILDCARD_HOSTS:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _prefect_spec(config: ServiceConfig) -> _Spec:
+    home = config.state_dir / "prefect"
+    url = f"http://{_url_host(config.host)}:{config.prefect_port}"
+    env = {
+        "PREFECT_HOME": str(home),  # profiles and DB of the server live in the state folder, not ~/.prefect
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # start-up analytics need the internet
+        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        "PREFECT_UI_API_URL": f"{url}/api",  # else the UI would follow a PREFECT_API_URL inherited from the shell
+        "DO_NOT_TRACK": "true",  # SDK telemetry of the `prefect` CLI process
+    }
+    # Background services (scheduler, late runs, cancellation clean-up, concurrency lease reaping) stay on: the
+    # deployments' schedules and concurrency limits need them. With one worker they run inside the server process.
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", config.host,
+               "--port", str(config.prefect_port), "--analytics-off", "--no-prompt"]
+    return _Spec("prefect", config.prefect_port, "--prefect-port", url, f"{url}/api/health", command, env,
+                  config.state_dir / "logs" / "prefect.log")
+
+
+def _mlflow_spec(config: ServiceConfig) -> _Spec:
+    root = config.state_dir / "mlflow"
+    url = f"http://{_url_host(config.host)}:{config.mlflow_port}"
+    # --serve-artifacts + --artifacts-destination: new experiments get `mlflow-artifacts:/<id>` locations and
+    # clients upload/download artifacts and models over HTTP through the server. Any process that can reach the
+    # URL can log (Ray workers, another working directory, a container), and no client-side path is stored in
+    # the DB. With --default-artifact-root <dir> each client would write to <dir> on its own filesystem instead.
+    command = [sys.executable, "-m", "mlflow", "server",
+               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+               "--serve-artifacts", "--artifacts-destination", str(root / "artifacts"),
+               "--host", config.host, "--port", str(config.mlflow_port), "--workers", str(config.mlflow_workers)]
+    env = {
+        # The job runner (a huey consumer for GenAI judge jobs) is not used by RL training: one process fewer.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
+    }
+    return _Spec("mlflow", config.mlflow_port, "--mlflow-port", url, f"{url}/health", command, env,
+                 config.state_dir / "logs" / "mlflow.log")
+
+
+def _specs(config: ServiceConfig) -> dict[str, _Spec]:
+    return {"prefect": _prefect_spec(config), "mlflow": _mlflow_spec(config)}
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when GET ``url`` answers 2xx. Loopback requests bypass any http_proxy of the environment."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    handlers = [urllib.request.ProxyHandler({})] if host in _LOCAL_HOSTS else []
+    try:
+        with urllib.request.build_opener(*handlers).open(url, timeout=timeout) as response:
+            return 200 <= response.status < 300
+    except (OSError, ValueError):  # URLError, HTTPError, timeouts and refused connections are OSErrors
+        return False
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of ``pid`` from /proc, or None when it does not exist or /proc is missing."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], int(fields[2])
+
+
+def _reap(pid: int) -> None:
+    # Servers started by this process are our children: collect them so they do not linger as zombies.
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in process group ``pgid``."""
+    _reap(pgid)
+    if Path("/proc").is_dir():
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) and stat[1] == pgid and stat[0] != "Z":
+                return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_ours(pid: int, name: str) -> bool:
+    """Whether ``pid`` still leads the process group of an rlflow-started ``name`` server (pids get reused)."""
+    if not _group_alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc: trust the live process group
+    stat = _proc_stat(pid)
+    return name.encode() in cmdline and b"server" in cmdline and stat is not None and stat[1] == pid
+
+
+def _stop_group(pid: int, grace_s: float) -> bool:
+    """SIGTERM the process group led by ``pid``, SIGKILL what is left after ``grace_s``. True if it was running."""
+    if not _group_alive(pid):
+        return False
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _group_alive(pid):
+                return True
+            time.sleep(0.1)
+    if _group_alive(pid):
+        raise ServiceError(f"Process group {pid} survived SIGKILL; look at it with `ps -g {pid}`.")
+    return True
+
+
+def _check_port_free(host: str, spec: _Spec) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port left in TIME_WAIT by a server we just stopped counts as free (as for the servers).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, spec.port))
+        except socket.gaierror:
+            raise ServiceError(f"Cannot bind to host {host!r}: not an address of this machine "
+                               "(`rlflow server up --host`).") from None
+        except OSError as error:
+            raise ServiceError(
+                f"Port {spec.port} on {host} is already in use by another process, so the {spec.name} server "
+                f"cannot start ({error.strerror}). Stop that process, or choose another port: "
+                f"`rlflow server up {spec.option} <port>` (ServiceConfig.{spec.name}_port)."
+            ) from None
+
+
+def _launch(spec: _Spec, cwd: Path) -> subprocess.Popen[bytes]:
+    spec.log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in (PREFECT_API_URL, "PREFECT_API_KEY")}
+    env.update(spec.env)
+    with open(spec.log, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(spec.command)}\n".encode())
+        log.flush()
+        # A new session: the server outlives this command and is not hit by the terminal's Ctrl-C; its pid is
+        # also the id of its process group, which holds the uvicorn children that `down` must stop too.
+        return subprocess.Popen(spec.command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def _wait_healthy(specs: list[_Spec], procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    pending = {spec.name: spec for spec in specs}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for name, spec in list(pending.items()):
+            if _http_ok(spec.health_url, timeout=1.0):
+                del pending[name]
+            elif (code := procs[name].poll()) is not None:
+                raise ServiceError(f"The {name} server exited with code {code} before answering {spec.health_url}. "
+                                   f"Last lines of {spec.log}:\n{_log_tail(spec.log)}")
+        if pending and time.monotonic() > deadline:
+            spec = next(iter(pending.values()))
+            raise ServiceError(
+                f"The {spec.name} server did not answer {spec.health_url} within {timeout_s:g} s "
+                f"(ServiceConfig.startup_timeout_s). Last lines of {spec.log}:\n{_log_tail(spec.log)}")
+        if pending:
+            time.sleep(0.25)
+
+
+# ---------------------------------------------------------------------------------------------- state files
+
+
+@contextlib.contextmanager
+def _locked(config: ServiceConfig) -> Iterator[None]:
+    """Serialize up/down on one state folder (two `rlflow server up` at once would start four servers)."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(config.state_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _read_record(config: ServiceConfig) -> dict[str, Any]:
+    path = config.state_dir / _SERVICES_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        logger.warning("Ignoring unreadable %s", path)
+        return {}
+
+
+def _write_record(config: ServiceConfig, record: Mapping[str, Any]) -> None:
+    path = config.state_dir / _SERVICES_FILE
+    if not any(name in record for name in SERVICES):
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _service_urls(config: ServiceConfig, record: Mapping[str, Any]) -> dict[str, Any]:
+    prefect, mlflow = record["prefect"], record["mlflow"]
+    return {
+        PREFECT_API_URL: f"{prefect['url']}/api",
+        MLFLOW_TRACKING_URI: mlflow["url"],
+        "prefect_ui": prefect["url"],
+        "mlflow_ui": mlflow["url"],
+        "prefect_pid": prefect["pid"],
+        "mlflow_pid": mlflow["pid"],
+        "env_file": str(config.state_dir / _ENV_FILE),
+    }
+
+
+def _write_env_file(urls: Mapping[str, Any]) -> None:
+    lines = ["# Written by `rlflow server up`; load with: source " + urls["env_file"],
+             f"export {PREFECT_API_URL}={urls[PREFECT_API_URL]}",
+             f"export {MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}"]
+    Path(urls["env_file"]).write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- public API
+
+
+def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
+    """Start (or reuse) the Prefect and MLflow servers and wait until both are healthy.
+
+    Returns ``{"PREFECT_API_URL", "MLFLOW_TRACKING_URI", "prefect_ui", "mlflow_ui", "prefect_pid", "mlflow_pid",
+    "env_file"}``; the two upper-case keys are also written to ``<state_dir>/env.sh``.
+
+    Raises:
+        ServiceError: a port is taken by another process, a server exited or did not become healthy within
+            ``startup_timeout_s`` (the message holds the end of its log), or services recorded in this state
+            folder run on other ports than asked for.
+    """
+    config = config or ServiceConfig()
+    specs = _specs(config)
+    with _locked(config):
+        record = _read_record(config)
+        to_start = []
+        for name, spec in specs.items():
+            old = record.get(name)
+            if old and _is_ours(old["pid"], name):
+                if old["url"] != spec.url:
+                    raise ServiceError(f"A {name} server from {config.state_dir} already runs at {old['url']}, "
+                                       f"not {spec.url}. Run `rlflow server down` first to change its address.")
+                if _http_ok(old["health_url"]):
+                    logger.info("Reusing the %s server at %s (pid %s)", name, old["url"], old["pid"])
+                    continue
+                logger.warning("The %s server (pid %s) does not answer %s; restarting it",
+                               name, old["pid"], old["health_url"])
+                _stop_group(old["pid"], config.stop_grace_s)
+            to_start.append(spec)
+        for spec in to_start:  # check every port before starting anything
+            _check_port_free(config.host, spec)
+        procs = _start_and_wait(config, to_start, record)
+        record["host"] = config.host
+        _write_record(config, record)
+        urls = _service_urls(config, record)
+        _write_env_file(urls)
+    for name, proc in procs.items():
+        logger.info("Started the %s server at %s (pid %s)", name, specs[name].url, proc.pid)
+    return urls
+
+
+def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str, Any]) -> dict[str, Any]:
+    """Launch ``specs`` side by side, record them, wait for health; on failure stop what was launched."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for spec in specs:
+            procs[spec.name] = _launch(spec, cwd=config.state_dir)
+            record[spec.name] = {"pid": procs[spec.name].pid, "url": spec.url, "health_url": spec.health_url,
+                                 "port": spec.port, "log": str(spec.log), "command": spec.command}
+        _write_record(config, record)  # before waiting, so that `down` can clean up a start that hangs
+        _wait_healthy(specs, procs, config.startup_timeout_s)
+    except BaseException:
+        for name, proc in procs.items():
+            _stop_group(proc.pid, grace_s=2.0)
+            record.pop(name, None)
+        _write_record(config, record)
+        raise
+    return procs
+
+
+def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
+    """Stop both servers (SIGTERM to their process groups, SIGKILL after ``stop_grace_s``) and remove
+    services.json. Idempotent. Returns ``{name: whether it was running}``."""
+    config = config or ServiceConfig()
+    if not (config.state_dir / _SERVICES_FILE).exists():
+        return {name: False for name in SERVICES}
+    with _locked(config):
+        record = _read_record(config)
+        stopped = {}
+        for name in SERVICES:
+            entry = record.get(name)
+            stopped[name] = bool(entry) and _is_ours(entry["pid"], name) and _stop_group(entry["pid"],
+                                                                                         config.stop_grace_s)
+        (config.state_dir / _SERVICES_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def service_status(config: ServiceConfig | None = None) -> dict[str, dict[str, Any]]:
+    """``{name: {"url", "pid", "alive", "healthy", "log"}}`` for both services. Without a record, ``url`` is
+    the configured one and ``healthy`` says whether something answers there anyway."""
+    config = config or ServiceConfig()
+    record = _read_record(config)
+    status = {}
+    for name, spec in _specs(config).items():
+        entry = record.get(name) or {}
+        status[name] = {
+            "url": entry.get("url", spec.url),
+            "pid": entry.get("pid"),
+            "alive": bool(entry) and _is_ours(entry["pid"], name),
+            "healthy": _http_ok(entry.get("health_url", spec.health_url)),
+            "log": entry.get("log", str(spec.log)),
+        }
+    return status
+
+
+def apply_service_env(urls: Mapping[str, Any]) -> None:
+    """Point this process at the services: set PREFECT_API_URL and MLFLOW_TRACKING_URI in ``os.environ``.
+
+    Prefect snapshots its settings when it is imported, so an already-imported prefect has its global settings
+    refreshed; an already-imported mlflow gets ``set_tracking_uri`` (which wins over the environment)."""
+    os.environ[PREFECT_API_URL] = str(urls[PREFECT_API_URL])
+    os.environ[MLFLOW_TRACKING_URI] = str(urls[MLFLOW_TRACKING_URI])
+    if "prefect.context" in sys.modules:
+        sys.modules["prefect.context"].refresh_global_settings_context()
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(urls[MLFLOW_TRACKING_URI])
+
+
+def _fix_hint() -> str:
+    env_file = ServiceConfig().state_dir / _ENV_FILE
+    with contextlib.suppress(ValueError):
+        env_file = env_file.relative_to(Path.cwd())
+    return f"run `rlflow server up` and then `source {env_file}`"
+
+
+def require_prefect_api() -> str:
+    """The effective PREFECT_API_URL (environment, profile or settings context), checked to be healthy.
+
+    Raises:
+        ServiceError: it is unset — Prefect would use a temporary in-process API server, and with the Ray task
+            runner every Ray worker would start its own — or its ``/health`` does not answer.
+    """
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        raise ServiceError(
+            "PREFECT_API_URL is not set, so Prefect would run this flow on a temporary API server inside this "
+            "process. rlflow refuses that: with the Ray task runner every Ray worker would start its own "
+            "temporary server on the same SQLite file, task runs would not show up beside their flow run, and "
+            "the server would stop with the process, leaving no UI to follow the run. To fix it, "
+            f"{_fix_hint()} (or `export PREFECT_API_URL=http://127.0.0.1:4200/api` for a Prefect server you "
+            "already run).")
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host.endswith("prefect.cloud"):
+        return url  # Prefect Cloud: this check is for self-hosted servers
+    if not _http_ok(url.rstrip("/") + "/health"):
+        raise ServiceError(
+            f"PREFECT_API_URL={url} does not answer at {url.rstrip('/')}/health. Start the server: "
+            f"{_fix_hint()}; `rlflow server status` shows what runs.")
+    return url
+
+
+def require_mlflow_tracking() -> str:
+    """The MLflow tracking URI, checked: an http(s) server must answer ``/health``; ``sqlite:////abs/path.db``
+    (one writing process) and other database URIs are accepted; unset, relative SQLite and ``./mlruns`` file
+    stores are refused.
+
+    Raises:
+        ServiceError: with the reason and the fix.
+    """
+    from mlflow.tracking._tracking_service.utils import _resolve_tracking_uri, is_tracking_uri_set
+
+    if not is_tracking_uri_set():
+        raise ServiceError(
+            "MLFLOW_TRACKING_URI is not set, so MLflow would write to ./mlflow.db relative to whichever directory "
+            f"each process runs in. To fix it, {_fix_hint()} (or export MLFLOW_TRACKING_URI=http://host:port, or "
+            "sqlite:////absolute/path/mlflow.db for a single process).")
+    uri = _resolve_tracking_uri()
+    scheme = urllib.parse.urlsplit(uri).scheme
+    if scheme in ("http", "https"):
+        if not _http_ok(uri.rstrip("/") + "/health"):
+            raise ServiceError(f"MLFLOW_TRACKING_URI={uri} does not answer at {uri.rstrip('/')}/health. Start "
+                               f"the server: {_fix_hint()}; `rlflow server status` shows what runs.")
+    elif scheme == "sqlite" and not uri.startswith("sqlite:////"):
+        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a relative SQLite path (it depends on each process's "
+                           "working directory): use sqlite:////absolute/path/mlflow.db, or an MLflow server.")
+    elif scheme in ("", "file"):
+        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses. {_fix_hint()} "
+                           "(or use sqlite:////absolute/path/mlflow.db).")
+    return uri
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+server_app = typer.Typer(help="Start, stop and inspect the local Prefect API server and MLflow tracking server.",
+                         no_args_is_help=True)
+
+_StateDir = typer.Option(None, "--state-dir", help="State folder [default: $RLFLOW_HOME or ./.rlflow].")
+
+
+def _cli_config(state_dir: Path | None, **overrides: Any) -> ServiceConfig:
+    values = {k: v for k, v in overrides.items() if v is not None}
+    if state_dir is not None:
+        values["state_dir"] = state_dir
+    return ServiceConfig(**values)
+
+
+@server_app.command()
+def up(state_dir: Path | None = _StateDir,
+       host: str = typer.Option("127.0.0.1", help="Interface to bind; 0.0.0.0 exposes both servers."),
+       prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
+       mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
+       timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints.")) -> None:
+    """Start both servers in the background (or reuse running ones) and print their URLs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    config = _cli_config(state_dir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
+                         startup_timeout_s=timeout)
+    console = Console()
+    try:
+        with console.status("Starting the Prefect and MLflow servers..."):
+            urls = start_services(config)
+    except ServiceError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    table = Table(title=f"rlflow services ({config.state_dir})")
+    for column in ("service", "pid", "UI", "client setting"):
+        table.add_column(column, overflow="fold")
+    table.add_row("Prefect", str(urls["prefect_pid"]), urls["prefect_ui"], f"{PREFECT_API_URL}={urls[PREFECT_API_URL]}")
+    table.add_row("MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"],
+                  f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}")
+    console.print(table)
+    console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
+    if config.host not in _LOCAL_HOSTS:
+        console.print(f"[yellow]Bound to {config.host}: both servers accept connections from the network, "
+                      "without authentication. MLflow accepts only localhost and private-IP Host headers "
+                      "(see `mlflow server --allowed-hosts`).[/yellow]")
+
+
+@server_app.command()
+def down(state_dir: Path | None = _StateDir) -> None:
+    """Stop both servers (idempotent)."""
+    stopped = stop_services(_cli_config(state_dir))
+    for name, was_running in stopped.items():
+        typer.echo(f"{name}: {'stopped' if was_running else 'was not running'}")
+
+
+@server_app.command()
+def status(state_dir: Path | None = _StateDir) -> None:
+    """Show url, pid and health of both servers; exit code 1 unless both are healthy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    states = service_status(_cli_config(state_dir))
+    table = Table()
+    for column in ("service", "url", "pid", "alive", "healthy"):
+        table.add_column(column, overflow="fold")
+    for name, state in states.items():
+        table.add_row(name, state["url"], str(state["pid"] or "-"), _yes_no(state["alive"]), _yes_no(state["healthy"]))
+    console = Console()
+    console.print(table)
+    unhealthy = [state for state in states.values() if not state["healthy"]]
+    for state in unhealthy:
+        console.print(f"log: {state['log']}")
+    if unhealthy:
+        raise typer.Exit(1)
+
+
+def _yes_no(flag: bool) -> str:
+    return "[green]yes[/green]" if flag else "[red]no[/red]"

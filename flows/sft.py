@@ -1,0 +1,39 @@
+"""Supervised fine-tuning (the warm-up before RL) as a Prefect flow.
+
+Each step: one batch of ``prompt + response`` pairs, next-token cross-entropy on the response tokens,
+one optimizer step on every data-parallel worker (``sft_step``). Validation generates greedily and scores with
+the reward function. Run it with ``rlflow train sft --config demo-sft``.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.config import RLConfig
+from flows.runtime import start_run
+from flows.stages import sft_step
+
+
+@flow(name="sft", retries=1, persist_result=False, validate_parameters=True)
+def sft(config: RLConfig) -> dict:
+    run = start_run(config, "sft", roles=("actor", "reward"))
+    actor = run.groups["actor"]
+    status = "FAILED"
+    try:
+        if run.start_step == 1:
+            run.validate(step=0)
+        for step in run.steps:
+            metrics = {}
+            with run.step_timer(metrics):
+                metrics.update(sft_step.submit(actor, run.next_sft_batch(), config.trainer.fault_injection, step,
+                                               run.root).result())
+            run.log_step(step, metrics, [["sft_step"]])
+            if run.should_validate(step):
+                run.validate(step)
+            if run.should_save(step):
+                run.save(step)
+        run.save_final_model()
+        status = "FINISHED"
+        return run.last_metrics
+    finally:
+        run.close(status)

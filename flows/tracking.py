@@ -1,0 +1,142 @@
+"""MLflow tracking for one training run (one MLflow run, resumed by id) and the Prefect artifacts beside it.
+
+Everything is logged from the flow process with an explicit ``run_id`` (MLflow's fluent active run is
+thread-local). Metric names keep verl's spelling (``critic/score/mean``, ``timing_s/gen``); characters MLflow
+rejects (``@``, ``(``, ...) are replaced, so a metric name can never crash training (verl #119, #984).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+logger = logging.getLogger(__name__)
+
+_INVALID = re.compile(r"[^A-Za-z0-9_\-. /:]")
+
+
+def sanitize_metric_name(name: str) -> str:
+    return _INVALID.sub("_", name.replace("@", "_at_"))
+
+
+class Tracker:
+    """One MLflow run. ``run_id`` resumes an existing run (after a crash) instead of starting a new one."""
+
+    def __init__(self, experiment: str, run_name: str, *, run_id: str | None = None, tags: dict | None = None):
+        self.client = MlflowClient()
+        existing = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = existing.experiment_id if existing else self.client.create_experiment(experiment)
+        if run_id:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            self.resumed = True
+        else:
+            self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+            self.resumed = False
+        if tags and run_id:
+            self.set_tags(tags)
+
+    @property
+    def url(self) -> str:
+        base = mlflow.get_tracking_uri().rstrip("/")
+        if base.startswith("http"):
+            return f"{base}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return f"mlflow run {self.run_id} in {base}"
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.resumed:  # params are immutable in MLflow and were logged by the first attempt
+            return
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        items = [Metric(sanitize_metric_name(k), float(v), now, step) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        for start in range(0, len(items), 500):
+            self.client.log_batch(self.run_id, metrics=items[start : start + 500])
+
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        columns = {key: [row.get(key) for row in rows] for key in (rows[0] if rows else {})}
+        self.client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+
+    def log_dict(self, data: dict, artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, data, artifact_file)
+
+    def log_model(self, model_dir: str, register_as: str | None = None) -> str:
+        """Log the final model (HF folder) with the transformers flavor; returns its model URI."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        with mlflow.start_run(run_id=self.run_id):
+            info = mlflow.transformers.log_model(
+                transformers_model={"model": model, "tokenizer": tokenizer}, name="model", task="text-generation",
+                registered_model_name=register_as)
+        return info.model_uri
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def prefect_flow_run_links() -> dict[str, str]:
+    """The current Prefect flow run's id and UI URL (empty outside a flow run)."""
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.get_id()
+    if not run_id:
+        return {}
+    return {"prefect.flow_run_id": run_id, "prefect.flow_run_url": flow_run.get_flow_run_ui_url() or "",
+            "prefect.flow_name": flow_run.get_flow_name() or ""}
+
+
+def publish_checkpoint_artifact(run_name: str, step: int, path: str, metrics: dict[str, float]) -> None:
+    """A Prefect table artifact per checkpoint (step, path, key metrics)."""
+    from prefect.artifacts import create_table_artifact
+
+    key_metrics = {k: round(v, 4) for k, v in metrics.items()
+                   if k in ("critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "sft/loss")}
+    create_table_artifact(
+        key=f"{_artifact_key(run_name)}-checkpoints",
+        table=[{"step": step, "path": path, **key_metrics}],
+        description=f"checkpoint of {run_name} at step {step}",
+    )
+
+
+def publish_mlflow_link(run_name: str, url: str) -> None:
+    from prefect.artifacts import create_link_artifact
+
+    create_link_artifact(key=f"{_artifact_key(run_name)}-mlflow", link=url, link_text="MLflow run",
+                         description=f"MLflow run of {run_name}")
+
+
+class ProgressArtifact:
+    """A Prefect progress artifact for the run, updated every step."""
+
+    def __init__(self, run_name: str, total: int):
+        from prefect.artifacts import create_progress_artifact
+
+        self.total = total
+        self.id = create_progress_artifact(progress=0.0, key=f"{_artifact_key(run_name)}-progress",
+                                           description=f"training progress of {run_name}")
+
+    def update(self, step: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        update_progress_artifact(self.id, progress=100.0 * step / self.total)
+
+
+def _artifact_key(name: str) -> str:
+    return re.sub(r"[^a-z0-9-]", "-", name.lower())
+
