@@ -146,10 +146,11 @@ def sft_step(actor, batch: DataProto, fault: str | None, step: int, marker_dir: 
 
 @task(name="update_actor_dpo", **STATEFUL)
 def update_actor_dpo(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
+    """DPO update on (chosen, rejected) row pairs; a step without pairs changes nothing."""
     maybe_inject_fault(fault, "update_actor_dpo", step, marker_dir)
     start = time.perf_counter()
-    out = actor.update_actor_dpo(batch)
-    return {**_mean_metrics(out), **batch.meta_info.get("data_metrics", {}), **_timings(batch),
+    metrics = _mean_metrics(actor.update_actor_dpo(batch)) if len(batch) else {}
+    return {**metrics, **batch.meta_info.get("data_metrics", {}), **_timings(batch),
             "timing_s/update_actor": time.perf_counter() - start}
 
 

@@ -75,7 +75,13 @@ class Tracker:
         self.client.log_dict(self.run_id, data, artifact_file)
 
     def log_model(self, model_dir: str, register_as: str | None = None) -> str:
-        """Log the final model (HF folder) with the transformers flavor; returns its model URI."""
+        """Log the final model (HF folder) with the transformers flavor; returns its model URI.
+
+        Requirements are given explicitly: MLflow's inference adds torchvision for every torch model, which this
+        project does not install (PyPI's torchvision breaks the CPU torch build).
+        """
+        from importlib.metadata import version
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -83,7 +89,8 @@ class Tracker:
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer}, name="model", task="text-generation",
-                registered_model_name=register_as)
+                registered_model_name=register_as,
+                pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")])
         return info.model_uri
 
     def finish(self, status: str = "FINISHED") -> None:

@@ -24,3 +24,29 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory):
+    """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) for the whole session."""
+    import socket
+
+    from flows.services import ServiceConfig, apply_service_env, start_services, stop_services
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    config = ServiceConfig(state_dir=tmp_path_factory.mktemp("rlflow-home"), prefect_port=free_port(),
+                           mlflow_port=free_port())
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    urls = start_services(config)
+    apply_service_env(urls)
+    yield urls
+    stop_services(config)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

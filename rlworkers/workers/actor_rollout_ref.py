@@ -156,6 +156,44 @@ class ActorRolloutRefWorker(Worker):
         return loss, stats
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor_dpo(self, data: DataProto) -> DataProto:
+        """One DPO optimizer step (Rafailov et al. 2023) against the reference, for online DPO.
+
+        Rows come in pairs: row 2i is the chosen response and row 2i+1 the rejected one for the same prompt
+        (the controller keeps pairs on one worker). Needs ``ref_log_prob``; ``meta_info["dpo_beta"]``.
+        """
+        self._require(self._is_actor, "update_actor_dpo", "actor")
+        if len(data) % 2:
+            raise ValueError(f"update_actor_dpo needs (chosen, rejected) row pairs; got {len(data)} rows")
+        beta = float(data.meta_info.get("dpo_beta", 0.1))
+        temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
+        micro_size = max(2, self.config.actor.ppo_micro_batch_size_per_gpu // 2 * 2)
+        self.module.train()
+        self.optimizer.zero_grad()
+        micros = data.split(micro_size)
+        metrics = defaultdict(list)
+        for i, micro in enumerate(micros):
+            batch = micro.batch
+            mask = batch["response_mask"].float()
+            with self._maybe_no_sync(last=i == len(micros) - 1):
+                logits = common.response_logits(self.module, batch["input_ids"], batch["attention_mask"],
+                                                batch["position_ids"], batch["responses"].shape[-1], temperature)
+                seq_logp = (common.logprobs_from_logits(logits, batch["responses"]) * mask).sum(-1)
+                ref_logp = (batch["ref_log_prob"] * mask).sum(-1)
+                loss, stats = core_algos.compute_dpo_loss(seq_logp[0::2], seq_logp[1::2], ref_logp[0::2],
+                                                          ref_logp[1::2], beta=beta)
+                (loss * len(micro) / len(data)).backward()
+            metrics["actor/dpo_loss"].append(loss.item())
+            for key, value in stats.items():
+                metrics[key].append(value)
+        metrics["actor/grad_norm"].append(self._optimizer_step(self.config.actor.optim.grad_clip))
+        self.lr_scheduler.step()
+        self.update_steps += 1
+        self._sync_rollout_weights()
+        metrics["actor/lr"].append(self.lr_scheduler.get_last_lr()[0])
+        return DataProto(meta_info={"metrics": {k: float(np.mean(v)) for k, v in metrics.items()}})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def sft_step(self, data: DataProto) -> DataProto:
         """One optimizer step of next-token cross-entropy on ``loss_mask`` tokens (``input_ids [B, T]``,
         ``attention_mask``, ``position_ids``, ``loss_mask``: 1 where the token is a target)."""

@@ -1,0 +1,76 @@
+"""Online DPO (as in the HybridFlow tutorial: on-policy pairs each step) as a Prefect flow.
+
+Each step, for a batch of prompts:
+  1. sample ``rollout.n`` responses per prompt                     generate_sequences   (actor group)
+  2. score them; reference log-probs of every response             compute_reward / compute_ref_log_prob
+  3. pair the best and the worst response of each prompt            make_preference_pairs (pure function)
+     (prompts whose responses all score the same give no pair)
+  4. DPO update of the policy against the reference                 update_actor_dpo     (actor group)
+Run it with ``rlflow train online_dpo --config demo rollout.n=4``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from prefect import flow, task
+
+from flows.config import RLConfig
+from flows.runtime import start_run
+from flows.stages import IDEMPOTENT, compute_ref_log_prob, compute_reward, generate_sequences, update_actor_dpo
+from rlworkers.algorithms.batch_ops import compute_data_metrics
+from rlworkers.protocol import DataProto
+
+CRITICAL_PATH = [["gen"], ["reward", "ref"], ["pairs"], ["update_actor"]]
+
+
+@task(name="make_preference_pairs", **IDEMPOTENT)
+def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float) -> DataProto:
+    """Rows (chosen, rejected) per prompt with different scores; a multiple of ``world_size`` pairs."""
+    start = time.perf_counter()
+    for part in parts:
+        batch.union(part)
+    scores = batch.non_tensor_batch["score"].astype(float)
+    order = []
+    for uid in dict.fromkeys(batch.non_tensor_batch["uid"]):
+        rows = np.flatnonzero(batch.non_tensor_batch["uid"] == uid)
+        best, worst = rows[np.argmax(scores[rows])], rows[np.argmin(scores[rows])]
+        if scores[best] > scores[worst]:
+            order += [best, worst]
+    usable = len(order) // 2 // world_size * world_size * 2
+    metrics = {**compute_data_metrics(batch), "dpo/pairs": usable // 2}
+    pairs = batch.select_idxs(np.array(order[:usable], dtype=np.int64))
+    pairs.meta_info.update(dpo_beta=beta, data_metrics=metrics, **{"timing_s/pairs": time.perf_counter() - start})
+    return pairs
+
+
+@flow(name="online_dpo", retries=1, persist_result=False, validate_parameters=True)
+def online_dpo(config: RLConfig) -> dict:
+    if config.rollout.n < 2:
+        raise ValueError("online DPO pairs responses of the same prompt: set rollout.n >= 2")
+    run = start_run(config, "online_dpo", roles=("actor", "ref", "reward"))
+    actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
+    status = "FAILED"
+    try:
+        if run.start_step == 1:
+            run.validate(step=0)
+        for step in run.steps:
+            metrics = {}
+            with run.step_timer(metrics):
+                gen = generate_sequences.submit(actor, run.next_prompts())                          # 1
+                parts = [compute_reward.submit(reward, gen), compute_ref_log_prob.submit(ref, gen)]  # 2
+                pairs = make_preference_pairs.submit(gen, parts, config.trainer.n_workers,          # 3
+                                                     config.algorithm.dpo_beta)
+                metrics.update(update_actor_dpo.submit(actor, pairs, config.trainer.fault_injection, step,  # 4
+                                                       run.root).result())
+            run.log_step(step, metrics, CRITICAL_PATH)
+            if run.should_validate(step):
+                run.validate(step)
+            if run.should_save(step):
+                run.save(step)
+        run.save_final_model()
+        status = "FINISHED"
+        return run.last_metrics
+    finally:
+        run.close(status)

@@ -1,0 +1,57 @@
+"""PPO with a critic and GAE (Schulman et al. 2017; the InstructGPT/verl recipe) as a Prefect flow.
+
+Each step, for a batch of prompts:
+  1. sample responses                                            generate_sequences  (actor group)
+  2. in parallel: score them, recompute the rollout policy's     compute_reward / compute_log_prob /
+     log-probs, the reference's, and the critic's values          compute_ref_log_prob / compute_values
+  3. KL-shaped rewards (optional) and GAE advantages + returns   compute_advantage   (pure function)
+  4. in parallel: PPO-clip policy update, clipped value update   update_actor / update_critic
+Run it with ``rlflow train ppo --config demo algorithm.adv_estimator=gae``.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.config import RLConfig
+from flows.runtime import start_run
+from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
+    compute_values, generate_sequences, update_actor, update_critic
+
+CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], ["update_actor", "update_critic"]]
+
+
+@flow(name="ppo", retries=1, persist_result=False, validate_parameters=True)
+def ppo(config: RLConfig) -> dict:
+    if config.algorithm.adv_estimator != "gae":
+        raise ValueError("the ppo flow estimates advantages with a critic: set algorithm.adv_estimator=gae "
+                         "(or use the grpo flow for critic-free estimators)")
+    run = start_run(config, "ppo", roles=("actor", "ref", "critic", "reward"))
+    actor, ref, critic, reward = (run.groups[k] for k in ("actor", "ref", "critic", "reward"))
+    algorithm = config.algorithm.model_dump()
+    status = "FAILED"
+    try:
+        if run.start_step == 1:
+            run.validate(step=0)
+        for step in run.steps:
+            metrics = {}
+            with run.step_timer(metrics):
+                gen = generate_sequences.submit(actor, run.next_prompts())                          # 1
+                parts = [compute_reward.submit(reward, gen), compute_log_prob.submit(actor, gen),   # 2
+                         compute_ref_log_prob.submit(ref, gen), compute_values.submit(critic, gen)]
+                batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state)          # 3
+                critic_result = update_critic.submit(critic, batch)                                 # 4
+                result = update_actor.submit(actor, batch, config.trainer.fault_injection, step, run.root).result()
+                metrics.update(critic_result.result())
+            metrics.update(result["metrics"])
+            run.kl_ctrl_state = result["kl_ctrl_state"]
+            run.log_step(step, metrics, CRITICAL_PATH)
+            if run.should_validate(step):
+                run.validate(step)
+            if run.should_save(step):
+                run.save(step)
+        run.save_final_model()
+        status = "FINISHED"
+        return run.last_metrics
+    finally:
+        run.close(status)

@@ -1,0 +1,207 @@
+"""Rollout with a vLLM engine colocated with the actor in the same worker process (``rollout.name: vllm``).
+
+Returns the same DataProto as ``HFRollout`` (see ``rlworkers.workers.rollout``): ``prompts``, ``responses``
+(right-padded), ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask`` (1 up to and including
+the token that ended the response: EOS, a stop token or the last token of a stop string) and
+``rollout_log_probs``, with ``n`` samples per prompt interleaved (a a b b) and the non-tensor columns carried.
+``meta_info`` may override ``do_sample``, ``temperature``, ``n``, ``response_length`` (as for HF) and ``stop``
+(a list of strings; vLLM only). Greedy (``do_sample=False``) is vLLM's temperature 0.
+
+Log-probs. vLLM returns raw-model log-probs by default (``logprobs_mode="raw_logprobs"``: before temperature).
+The engine is created with ``logprobs_mode="processed_logprobs"``, so ``SamplingParams(logprobs=0)`` gives the
+sampled token's log-prob under ``softmax(logits / temperature)`` — what the actor recomputes in
+``compute_log_prob`` (and what HF's backend returns). In greedy mode they are taken at temperature 1, as HF does.
+With top-k / top-p active, vLLM's processed log-probs are those of the truncated, renormalised distribution it
+sampled from (``log p_T(token) - log(kept mass)``, so slightly higher than HF's and the actor's, which ignore the
+truncation); with the RL defaults (``top_p=1, top_k=0``) the three agree to float precision.
+
+The engine. Created lazily, in the process that owns the actor (the Ray worker), on the first
+``generate_sequences``: ``vllm.LLM`` with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+uni-process executor, as verl's colocated rollout did), the actor's dtype, ``load_format="dummy"`` (nothing is read
+from disk: the actor's weights are loaded into it at once), ``max_model_len`` = prompt width of the first batch +
+response length (at least ``MIN_MAX_MODEL_LEN``, at most the model's ``max_position_embeddings``; a rollout
+config attribute ``max_model_len`` overrides it), ``seed`` drawn from torch's RNG (the worker seeds it per rank,
+so runs repeat and data-parallel ranks sample differently), ``generation_config="vllm"`` (the EOS that stops a
+response is the tokenizer's, as in HF's backend). On CPU: ``enforce_eager=True`` and a KV cache of
+``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). On CUDA: CUDA graphs and sleep mode (below).
+vLLM's CPU worker sets torch's intra-op threads to 1 and disables ``torch.set_num_threads`` for its own process;
+here that process is the actor's, so both are restored after the engine starts.
+
+Weight sync (``sync_weights(model)``, called by the worker after every actor update and checkpoint load). The
+actor's ``state_dict()`` is handed, tensor by tensor and in memory, to vLLM's in-place reload
+(``llm.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``): with the engine in
+this process the RPC is a direct call (no serialisation, no disk, no engine restart). vLLM maps HF names to its
+fused layers (qkv_proj, gate_up_proj) and re-runs each layer's post-load processing — on CPU that re-packs the
+linear weights for oneDNN, which a plain ``model.load_weights`` would leave stale. The prefix cache is then reset
+(its KV blocks were computed with the old weights). Cost: one copy of the weights plus the re-pack, layer by
+layer (transient memory about one layer); measured on this 2-core CPU: ~0.02 s for the 2.6M-parameter tiny
+model, ~0.3 s for a 25M-parameter one (bench/rollout.py prints it). A checkpoint round trip instead would cost
+a save, a load and an engine restart (~15 s here).
+
+Sleep mode (CUDA only; vLLM's CPU worker ignores it). The engine is created with ``enable_sleep_mode=True``;
+after each ``generate_sequences`` it sleeps at level 1 (KV cache freed, weights offloaded to host memory) so the
+actor can train in the GPU memory it frees; ``sync_weights`` wakes the weights and reloads them; the next
+``generate_sequences`` wakes the KV cache. Level 2 (weights discarded) would save the offload copy but also
+drops buffers that are not in the checkpoint (the rotary cos/sin cache), which the reload does not restore.
+A rollout config attribute ``free_cache_engine=False`` keeps the engine awake.
+
+Rollout config attributes read when present (``RolloutConfig`` fields or defaults below):
+``gpu_memory_utilization`` (0.5: the share of GPU memory vLLM may take beside the actor; on CPU the KV cache size
+comes from ``VLLM_CPU_KVCACHE_SPACE``), ``enforce_eager`` (default: True on CPU, False on CUDA),
+``free_cache_engine`` (True), ``max_model_len`` (None: derived as above), ``stop`` (None).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from rlworkers.protocol import DataProto
+from rlworkers.workers.common import compute_position_id_with_mask
+from rlworkers.workers.config import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KVCACHE_GIB = "1"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
+MIN_MAX_MODEL_LEN = 1024
+SLEEP_LEVEL = 1  # see the module docstring: level 2 loses the rotary cache
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drop vLLM's per-reload warning that rotary-embedding layers 'failed to load weights': they hold only a
+    computed cos/sin cache (no checkpoint weights), which vLLM puts back untouched. Other layers still warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.getMessage().endswith("Failed to load weights") and args
+                    and str(args[0]).endswith("RotaryEmbedding"))
+
+
+class VLLMRollout:
+    def __init__(self, model, tokenizer, config: RolloutConfig, model_path: str):
+        self.model, self.tokenizer, self.config, self.model_path = model, tokenizer, config, model_path
+        self.device = next(model.parameters()).device
+        self.on_cuda = self.device.type == "cuda"
+        self.sleep_enabled = self.on_cuda and bool(self._option("free_cache_engine", True))
+        self.llm = None
+        self.max_model_len = None
+        self._weights_asleep = self._kv_asleep = False
+
+    def _option(self, name: str, default):
+        value = getattr(self.config, name, None)
+        return default if value is None else value
+
+    # ------------------------------------------------------------------------------------------------ engine
+    def _engine(self, prompt_width: int, response_length: int):
+        if self.llm is None:
+            self._create_engine(prompt_width, response_length)
+        if prompt_width + response_length > self.max_model_len:
+            raise ValueError(
+                f"prompt width {prompt_width} + response_length {response_length} exceeds the vLLM engine's "
+                f"max_model_len {self.max_model_len} (set from the first batch); set rollout.max_model_len to the "
+                "longest prompt + response you will generate")
+        if self._kv_asleep or self._weights_asleep:
+            self.llm.wake_up(tags=["weights", "kv_cache"] if self._weights_asleep else ["kv_cache"])
+            self._kv_asleep = self._weights_asleep = False
+        return self.llm
+
+    def _create_engine(self, prompt_width: int, response_length: int) -> None:
+        # The engine core runs in this process so that weight sync is a direct call on the model (see docstring).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        from vllm import LLM
+
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 10**9
+        self.max_model_len = int(self._option(
+            "max_model_len", min(limit, max(prompt_width + response_length, MIN_MAX_MODEL_LEN))))
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        kwargs = {}
+        if self.sleep_enabled:
+            kwargs["enable_sleep_mode"] = True
+        try:
+            self.llm = LLM(
+                model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
+                max_model_len=self.max_model_len, load_format="dummy", generation_config="vllm",
+                logprobs_mode="processed_logprobs", enforce_eager=bool(self._option("enforce_eager", not self.on_cuda)),
+                gpu_memory_utilization=float(self._option("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)),
+                tensor_parallel_size=1, distributed_executor_backend="uni", **kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it for its own process
+            torch.set_num_threads(threads)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
+        logger.info("vLLM engine started (%s, dtype %s, max_model_len %d, seed %d, sleep mode %s)",
+                    self.device, dtype, self.max_model_len, seed, self.sleep_enabled)
+        self._load_weights(self.model)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def sync_weights(self, model) -> None:
+        """Load ``model``'s current weights into the engine in memory (before it exists: it loads them at start)."""
+        self.model = model
+        if self.llm is not None:
+            if self._weights_asleep:
+                self.llm.wake_up(tags=["weights"])
+                self._weights_asleep = False
+            self._load_weights(model)
+
+    @torch.no_grad()
+    def _load_weights(self, model) -> None:
+        weights = ((name, tensor.detach()) for name, tensor in model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        from vllm import SamplingParams
+
+        meta = prompts.meta_info
+        n = int(meta.get("n", self.config.n))
+        do_sample = bool(meta.get("do_sample", self.config.do_sample))
+        temperature = float(meta.get("temperature", self.config.temperature)) if do_sample else 0.0
+        response_length = int(meta.get("response_length", self.config.response_length))
+        stop = meta.get("stop", self._option("stop", None))
+        if n > 1:
+            prompts = prompts.repeat(n, interleave=True)
+        input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        llm = self._engine(input_ids.shape[1], response_length)
+        params = SamplingParams(
+            n=1, temperature=temperature, top_p=self.config.top_p if do_sample else 1.0,
+            top_k=self.config.top_k if do_sample else 0, max_tokens=response_length, logprobs=0,
+            stop=list(stop) if stop else None, detokenize=bool(stop))
+        requests = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        if self.sleep_enabled:
+            llm.sleep(level=SLEEP_LEVEL)
+            self._kv_asleep = self._weights_asleep = True
+        responses, response_mask, log_probs = self._to_tensors(outputs, response_length)
+        full_mask = torch.cat([attention_mask, response_mask], dim=-1)
+        batch = {
+            "prompts": input_ids, "responses": responses, "input_ids": torch.cat([input_ids, responses], dim=-1),
+            "attention_mask": full_mask, "position_ids": compute_position_id_with_mask(full_mask),
+            "response_mask": response_mask, "rollout_log_probs": log_probs,
+        }
+        return DataProto.from_dict(batch, dict(prompts.non_tensor_batch),
+                                   meta_info={k: v for k, v in meta.items() if k != "metrics"})
+
+    def _to_tensors(self, outputs, response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """vLLM's outputs -> ``responses`` (pad after the end), ``response_mask``, ``rollout_log_probs``, ``[B, R]``.
+
+        vLLM's ``token_ids`` end with the token that stopped the response (EOS, a stop token, the last token of a
+        stop string), so the mask is 1 over exactly the returned tokens."""
+        size = (len(outputs), response_length)
+        responses = np.full(size, self.tokenizer.pad_token_id, dtype=np.int64)
+        log_probs = np.zeros(size, dtype=np.float32)
+        lengths = np.zeros(len(outputs), dtype=np.int64)
+        for i, output in enumerate(outputs):
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)[:response_length]
+            responses[i, : len(tokens)] = tokens
+            log_probs[i, : len(tokens)] = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+            lengths[i] = len(tokens)
+        response_mask = (np.arange(response_length)[None, :] < lengths[:, None]).astype(np.int64)
+        return torch.from_numpy(responses), torch.from_numpy(response_mask), torch.from_numpy(log_probs)
