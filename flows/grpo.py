@@ -14,14 +14,15 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
-from flows.runtime import start_run
+from flows.runtime import default_task_runner, start_run
 from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
     generate_sequences, update_actor
 
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_actor"]]
 
 
-@flow(name="grpo", retries=1, persist_result=False, validate_parameters=True)
+@flow(name="grpo", task_runner=default_task_runner(), retries=1, persist_result=False,
+      validate_parameters=True)
 def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]

@@ -17,7 +17,7 @@ import numpy as np
 from prefect import flow, task
 
 from flows.config import RLConfig
-from flows.runtime import start_run
+from flows.runtime import default_task_runner, start_run
 from flows.stages import IDEMPOTENT, compute_ref_log_prob, compute_reward, generate_sequences, update_actor_dpo
 from rlworkers.algorithms.batch_ops import compute_data_metrics
 from rlworkers.protocol import DataProto
@@ -45,7 +45,8 @@ def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: 
     return pairs
 
 
-@flow(name="online_dpo", retries=1, persist_result=False, validate_parameters=True)
+@flow(name="online_dpo", task_runner=default_task_runner(), retries=1, persist_result=False,
+      validate_parameters=True)
 def online_dpo(config: RLConfig) -> dict:
     if config.rollout.n < 2:
         raise ValueError("online DPO pairs responses of the same prompt: set rollout.n >= 2")

@@ -14,14 +14,15 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
-from flows.runtime import start_run
+from flows.runtime import default_task_runner, start_run
 from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
     compute_values, generate_sequences, update_actor, update_critic
 
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], ["update_actor", "update_critic"]]
 
 
-@flow(name="ppo", retries=1, persist_result=False, validate_parameters=True)
+@flow(name="ppo", task_runner=default_task_runner(), retries=1, persist_result=False,
+      validate_parameters=True)
 def ppo(config: RLConfig) -> dict:
     if config.algorithm.adv_estimator != "gae":
         raise ValueError("the ppo flow estimates advantages with a critic: set algorithm.adv_estimator=gae "

