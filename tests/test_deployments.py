@@ -21,7 +21,8 @@ SPEC = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
 def test_entrypoints_and_parameters_are_valid():
     names = []
     for deployment in SPEC["deployments"]:
-        module, function = deployment["entrypoint"].removesuffix(".py").replace("/", ".").split(":")
+        path, function = deployment["entrypoint"].split(":")
+        module = path.removesuffix(".py").replace("/", ".")
         flow_fn = getattr(importlib.import_module(module), function)
         assert flow_fn.name == function
         validate_config(deployment["parameters"]["config"])
@@ -35,7 +36,8 @@ def test_prefect_deploy_registers_schedules_and_limits(services):
     prefect = [sys.executable, "-m", "prefect"]
     subprocess.run([*prefect, "work-pool", "create", "rlflow", "--type", "process", "--overwrite"], env=env,
                    check=True, capture_output=True, timeout=120)
-    result = subprocess.run([*prefect, "--no-prompt", "deploy", "--all"], env=env, cwd=ROOT / "deployments",
+    result = subprocess.run([*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"],
+                            env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 

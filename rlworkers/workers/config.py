@@ -47,7 +47,7 @@ class RolloutConfig(_Frozen):
 
 class ActorConfig(_Frozen):
     ppo_mini_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, whole group")
-    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0, description="sequences per forward/backward on a worker")
+    ppo_micro_batch_size_per_gpu: int = Field(8, gt=0, description="sequences per forward/backward on a worker")
     ppo_epochs: int = Field(1, gt=0)
     shuffle: bool = True
     clip_ratio: float = Field(0.2, gt=0)
@@ -67,7 +67,7 @@ class ActorConfig(_Frozen):
 class CriticConfig(_Frozen):
     model: ModelConfig | None = Field(None, description="defaults to the actor's model")
     ppo_mini_batch_size: int = Field(16, gt=0)
-    ppo_micro_batch_size_per_gpu: int = Field(16, gt=0)
+    ppo_micro_batch_size_per_gpu: int = Field(8, gt=0)
     ppo_epochs: int = Field(1, gt=0)
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: str = "token-mean"
