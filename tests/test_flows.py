@@ -189,3 +189,21 @@ def test_invalid_config_fails_before_anything_starts(tmp_path):
                             env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert result.returncode == 2
     assert "rollout.temperature" in result.stdout + result.stderr
+
+
+def test_runs_command_lists_runs_with_links(services):
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("rlflow") or client.get_experiment(client.create_experiment("rlflow"))
+    name = f"listed-{uuid.uuid4().hex[:6]}"
+    run = client.create_run(experiment.experiment_id, run_name=name, tags={
+        "rlflow.run_name": name, "algorithm": "grpo", "prefect.flow_run_url": "http://127.0.0.1:1/runs/flow-run/abc"})
+    for step in (1, 2, 3):
+        client.log_metric(run.info.run_id, "timing_s/step", 1.0, step=step)
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "400", "PREFECT_API_URL": services["PREFECT_API_URL"],
+           "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"]}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "runs"], capture_output=True, text=True, cwd=ROOT,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if name in line)
+    assert "grpo" in line and " 3 " in line and "http://127.0.0.1:1/runs/flow-run/abc" in line
+    assert f"runs/{run.info.run_id}" in line

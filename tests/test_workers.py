@@ -183,6 +183,11 @@ def test_reward_worker_rule_and_user_function(worker, tmp_path):
     rw = RewardWorker({"reward_fn": f"{user_file}:length"}, tokenizer_path=worker.config.model.path)
     rw.init_model()
     assert list(rw.compute_rm_score(batch).non_tensor_batch["score"]) == [float(len(a)) for a in answers]
+    rw.save_checkpoint(str(tmp_path / "ckpt"))
+    rw.load_checkpoint(str(tmp_path / "ckpt"))
+    other = RewardWorker({"reward_fn": "exact"}, tokenizer_path=worker.config.model.path)
+    with pytest.raises(ValueError, match="resume with the same reward"):
+        other.load_checkpoint(str(tmp_path / "ckpt"))
 
 
 def test_reward_worker_with_reward_model(worker):
