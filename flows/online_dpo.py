@@ -52,10 +52,7 @@ def online_dpo(config: RLConfig) -> dict:
         raise ValueError("online DPO pairs responses of the same prompt: set rollout.n >= 2")
     run = start_run(config, "online_dpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
-    status = "FAILED"
-    try:
-        if run.start_step == 1:
-            run.validate(step=0)
+    with run.training():
         for step in run.steps:
             metrics = {}
             with run.step_timer(metrics):
@@ -65,13 +62,5 @@ def online_dpo(config: RLConfig) -> dict:
                                                      config.algorithm.dpo_beta)
                 metrics.update(update_actor_dpo.submit(actor, pairs, config.trainer.fault_injection, step,  # 4
                                                        run.root).result())
-            run.log_step(step, metrics, CRITICAL_PATH)
-            if run.should_validate(step):
-                run.validate(step)
-            if run.should_save(step):
-                run.save(step)
-        run.save_final_model()
-        status = "FINISHED"
-        return run.last_metrics
-    finally:
-        run.close(status)
+            run.end_step(step, metrics, CRITICAL_PATH)
+    return run.last_metrics

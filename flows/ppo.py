@@ -30,10 +30,7 @@ def ppo(config: RLConfig) -> dict:
     run = start_run(config, "ppo", roles=("actor", "ref", "critic", "reward"))
     actor, ref, critic, reward = (run.groups[k] for k in ("actor", "ref", "critic", "reward"))
     algorithm = config.algorithm.model_dump()
-    status = "FAILED"
-    try:
-        if run.start_step == 1:
-            run.validate(step=0)
+    with run.training():
         for step in run.steps:
             metrics = {}
             with run.step_timer(metrics):
@@ -46,13 +43,5 @@ def ppo(config: RLConfig) -> dict:
                 metrics.update(critic_result.result())
             metrics.update(result["metrics"])
             run.kl_ctrl_state = result["kl_ctrl_state"]
-            run.log_step(step, metrics, CRITICAL_PATH)
-            if run.should_validate(step):
-                run.validate(step)
-            if run.should_save(step):
-                run.save(step)
-        run.save_final_model()
-        status = "FINISHED"
-        return run.last_metrics
-    finally:
-        run.close(status)
+            run.end_step(step, metrics, CRITICAL_PATH)
+    return run.last_metrics

@@ -80,8 +80,9 @@ class Run:
     # ------------------------------------------------------------------------------------------ batches
     def next_prompts(self):
         rows = self.loader.next_batch()
-        return prompt_batch(rows, self.tokenizer, prompt_key=self.config.data.prompt_key,
-                            answer_key=self.config.data.answer_key, max_prompt_length=self.config.data.max_prompt_length)
+        data = self.config.data
+        return prompt_batch(rows, self.tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                            max_prompt_length=data.max_prompt_length)
 
     def next_sft_batch(self):
         return sft_batch(self.loader.next_batch(), self.tokenizer, prompt_key=self.config.data.prompt_key,
@@ -114,6 +115,28 @@ class Run:
             self.terminal.update(step, metrics)
         get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
 
+    def end_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
+        """Log the step, then validate and checkpoint when they are due."""
+        self.log_step(step, metrics, critical_path)
+        if self.should_validate(step):
+            self.validate(step)
+        if self.should_save(step):
+            self.save(step)
+
+    @contextmanager
+    def training(self):
+        """Around a flow's loop: validate a fresh run first; at the end save the final model; always release the
+        workers and close the MLflow run (FAILED on an exception, which then reaches Prefect for its retry)."""
+        status = "FAILED"
+        try:
+            if self.start_step == 1:
+                self.validate(step=0)
+            yield
+            self.save_final_model()
+            status = "FINISHED"
+        finally:
+            self.close(status)
+
     def should_validate(self, step: int) -> bool:
         freq = self.config.trainer.test_freq
         return step == self.config.trainer.total_steps or (freq > 0 and step % freq == 0)
@@ -134,9 +157,9 @@ class Run:
             mask = out.non_tensor_batch["data_source"] == source
             metrics[f"val/{source or 'default'}/score/mean"] = float(np.mean(scores[mask]))
         responses = decode_responses(out, self.tokenizer)
+        columns = zip(out.non_tensor_batch["raw_prompt"], responses, out.non_tensor_batch["ground_truth"], scores)
         samples = [{"step": step, "prompt": p, "response": r, "ground_truth": g, "score": float(s)}
-                   for p, r, g, s in zip(out.non_tensor_batch["raw_prompt"], responses,
-                                         out.non_tensor_batch["ground_truth"], scores)][: self.config.trainer.log_samples]
+                   for p, r, g, s in columns][: self.config.trainer.log_samples]
         if samples:
             self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
         self.tracker.log_metrics(metrics, step)
@@ -248,7 +271,8 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
 
 def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup]:
     use_gpu = config.trainer.device == "cuda"
-    worker_config = config.worker_config().model_copy(update={"model": config.model.model_copy(update={"path": model_path})})
+    model = config.model.model_copy(update={"path": model_path})  # resolved once: "tiny" -> its folder
+    worker_config = config.worker_config().model_copy(update={"model": model})
     groups = {}
     if "actor" in roles:
         groups["actor"] = build_group(ActorRolloutRefWorker, config.trainer.n_workers, use_gpu=use_gpu,
@@ -257,7 +281,7 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
         groups["ref"] = build_group(ActorRolloutRefWorker, 1, use_gpu=use_gpu, config=worker_config, role="ref")
     if "critic" in roles:
         groups["critic"] = build_group(CriticWorker, config.trainer.n_workers, use_gpu=use_gpu, config=config.critic,
-                                       model=worker_config.model, device=config.trainer.device, seed=config.trainer.seed)
+                                       model=model, device=config.trainer.device, seed=config.trainer.seed)
     if "reward" in roles:
         groups["reward"] = build_group(RewardWorker, 1, use_gpu=False, cpus_per_worker=0.5, config=config.reward,
                                        tokenizer_path=model_path)

@@ -19,22 +19,11 @@ from flows.stages import sft_step
 def sft(config: RLConfig) -> dict:
     run = start_run(config, "sft", roles=("actor", "reward"))
     actor = run.groups["actor"]
-    status = "FAILED"
-    try:
-        if run.start_step == 1:
-            run.validate(step=0)
+    with run.training():
         for step in run.steps:
             metrics = {}
             with run.step_timer(metrics):
                 metrics.update(sft_step.submit(actor, run.next_sft_batch(), config.trainer.fault_injection, step,
                                                run.root).result())
-            run.log_step(step, metrics, [["sft_step"]])
-            if run.should_validate(step):
-                run.validate(step)
-            if run.should_save(step):
-                run.save(step)
-        run.save_final_model()
-        status = "FINISHED"
-        return run.last_metrics
-    finally:
-        run.close(status)
+            run.end_step(step, metrics, [["sft_step"]])
+    return run.last_metrics

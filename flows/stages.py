@@ -99,7 +99,8 @@ def compute_values(critic, batch: DataProto) -> DataProto:
 
 
 @task(name="compute_advantage", **IDEMPOTENT)
-def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None) -> DataProto:
+def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
+                      kl_ctrl_state: dict | None) -> DataProto:
     """Merge the stage outputs into the batch and add advantages (a pure function of its inputs)."""
     start = time.perf_counter()
     for part in parts:

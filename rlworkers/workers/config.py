@@ -43,6 +43,18 @@ class RolloutConfig(_Frozen):
     n: int = Field(1, gt=0, description="samples per prompt (rows come back interleaved: a a b b)")
     do_sample: bool = True
     log_prob_micro_batch_size_per_gpu: int = Field(64, gt=0)
+    # vLLM only (rollout.name: vllm); see rlworkers/workers/rollout/vllm_rollout.py
+    stop: list[str] | None = Field(None, description="strings that end a response (vLLM only; the response keeps them)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs; default True on CPU, False on CUDA")
+    free_cache_engine: bool = Field(True, description="CUDA: sleep the engine while the actor trains")
+    max_model_len: int | None = Field(None, gt=0, description="default: prompt width + response_length, >= 1024")
+
+    @model_validator(mode="after")
+    def _check_backend_options(self):
+        if self.stop and self.name != "vllm":
+            raise ValueError("rollout.stop is supported by the vllm backend only; set rollout.name=vllm or remove it")
+        return self
 
 
 class ActorConfig(_Frozen):

@@ -26,10 +26,10 @@ response is the tokenizer's, as in HF's backend). On CPU: ``enforce_eager=True``
 ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). On CUDA: CUDA graphs and sleep mode (below).
 vLLM's CPU worker sets torch's intra-op threads to 1 and disables ``torch.set_num_threads`` for its own process;
 here that process is the actor's, so both are restored after the engine starts. It also reseeds the process's
-global RNGs with the engine seed (deterministic, as that seed is) and freezes the objects then alive out of the
-garbage collector's scans (``gc.freeze``). With several data-parallel workers each rank
-has its own engine (tensor parallel 1); vLLM builds its groups over the actor's process group (verl's "external
-DP"), so the ranks create their engines together — they do, as ``generate_sequences`` is dispatched to all.
+global RNGs with the engine seed (deterministic, as that seed is) and takes the objects then alive out of the
+garbage collector's scans (``gc.freeze``). With several data-parallel workers each rank has its own engine
+(tensor parallel 1); vLLM builds its groups over the actor's process group (verl's "external DP"), so the ranks
+create their engines together — they do, as ``generate_sequences`` is dispatched to all of them.
 
 Weight sync (``sync_weights(model)``, called by the worker after every actor update and checkpoint load). The
 actor's ``state_dict()`` is handed, tensor by tensor and in memory, to vLLM's in-place reload
@@ -38,9 +38,9 @@ this process the RPC is a direct call (no serialisation, no disk, no engine rest
 fused layers (qkv_proj, gate_up_proj) and re-runs each layer's post-load processing — on CPU that re-packs the
 linear weights for oneDNN, which a plain ``model.load_weights`` would leave stale. The prefix cache is then reset
 (its KV blocks were computed with the old weights). Cost: one copy of the weights plus the re-pack, layer by
-layer (transient memory about one layer); measured on this 2-core CPU: ~0.02 s for the 2.6M-parameter tiny
-model, ~0.3 s for a 25M-parameter one (bench/rollout.py prints it). A checkpoint round trip instead would cost
-a save, a load and an engine restart (~15 s here).
+layer (transient memory about one layer); measured on a shared 2-core CPU (bench/rollout.py prints it): 15-70 ms
+for the 2.6M-parameter tiny model, 40-300 ms for a 21M-parameter one. A checkpoint round trip instead would
+cost a save, a load and an engine restart (7-13 s for the first engine in a process here).
 
 Sleep mode (CUDA only; vLLM's CPU worker ignores it). The engine is created with ``enable_sleep_mode=True``;
 after each ``generate_sequences`` it sleeps at level 1 (KV cache freed, weights offloaded to host memory) so the
