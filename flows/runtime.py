@@ -303,13 +303,19 @@ def _summary(metrics: dict) -> str:
     return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
 
 
+def _service_env() -> dict[str, str]:
+    """Environment every Ray worker (on every node) gets: where the services are, where the tiny model lives."""
+    return {k: os.environ[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
+            if k in os.environ}
+
+
 def default_task_runner():
     """The flows' task runner when started by a deployment: Ray at ``$RAY_ADDRESS`` or a local one with
     ``$RLFLOW_RAY_NUM_CPUS`` logical CPUs (default: max(8, cores): slots for the worker processes)."""
     from prefect_ray import RayTaskRunner
 
     num_cpus = int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
-    init_kwargs = {"include_dashboard": False, "log_to_driver": False}
+    init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
     if not os.environ.get("RAY_ADDRESS"):
         init_kwargs["num_cpus"] = num_cpus
     return RayTaskRunner(address=os.environ.get("RAY_ADDRESS"), init_kwargs=init_kwargs)
@@ -317,9 +323,7 @@ def default_task_runner():
 
 def ray_init_kwargs(config: RLConfig) -> dict:
     """What RayTaskRunner starts Ray with: the service URLs travel to every worker, also on other nodes."""
-    env = {k: os.environ[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
-           if k in os.environ}
-    kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": env}}
+    kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
     if config.trainer.ray_num_cpus:
         kwargs["num_cpus"] = config.trainer.ray_num_cpus
     return kwargs
