@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from rlworkers.protocol import DataProto
-from rlworkers.workers.common import compute_position_id_with_mask, logprobs_from_logits
+from rlworkers.workers.common import logprobs_from_logits
 from rlworkers.workers.config import RolloutConfig
+from rlworkers.workers.rollout import rollout_output
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -52,11 +53,4 @@ class HFRollout:
         response_mask = response_mask_from_eos(responses, self.tokenizer.eos_token_id)
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         log_probs = logprobs_from_logits(logits, responses) * response_mask
-        full_mask = torch.cat([attention_mask, response_mask], dim=-1)
-        batch = {
-            "prompts": input_ids, "responses": responses, "input_ids": torch.cat([input_ids, responses], dim=-1),
-            "attention_mask": full_mask, "position_ids": compute_position_id_with_mask(full_mask),
-            "response_mask": response_mask, "rollout_log_probs": log_probs,
-        }
-        return DataProto.from_dict(batch, dict(prompts.non_tensor_batch),
-                                   meta_info={k: v for k, v in meta.items() if k != "metrics"})
+        return rollout_output(prompts, responses, response_mask, log_probs)

@@ -65,7 +65,7 @@ import torch
 from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing vLLM into an install hint
 
 from rlworkers.protocol import DataProto
-from rlworkers.workers.common import compute_position_id_with_mask
+from rlworkers.workers.rollout import rollout_output
 from rlworkers.workers.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
@@ -178,15 +178,7 @@ class VLLMRollout:
         if self.sleep_enabled:
             llm.sleep(level=SLEEP_LEVEL)
             self._kv_asleep = self._weights_asleep = True
-        responses, response_mask, log_probs = self._to_tensors(outputs, response_length)
-        full_mask = torch.cat([attention_mask, response_mask], dim=-1)
-        batch = {
-            "prompts": input_ids, "responses": responses, "input_ids": torch.cat([input_ids, responses], dim=-1),
-            "attention_mask": full_mask, "position_ids": compute_position_id_with_mask(full_mask),
-            "response_mask": response_mask, "rollout_log_probs": log_probs,
-        }
-        return DataProto.from_dict(batch, dict(prompts.non_tensor_batch),
-                                   meta_info={k: v for k, v in meta.items() if k != "metrics"})
+        return rollout_output(prompts, *self._to_tensors(outputs, response_length))
 
     def _to_tensors(self, outputs, response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM's outputs -> ``responses`` (pad after the end), ``response_mask``, ``rollout_log_probs``, ``[B, R]``.
