@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Iterator
-
 import fsspec
 import numpy as np
 import torch
@@ -47,10 +45,6 @@ def response_log_probs(model, data: DataProto, temperature: float, micro_batch_s
         if with_entropy:
             entropies.append(entropy_from_logits(logits))
     return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
-
-
-def micro_batches(data: DataProto, micro_batch_size: int) -> Iterator[DataProto]:
-    yield from data.split(micro_batch_size)
 
 
 def mini_batches(data: DataProto, mini_batch_size: int, shuffle: bool, generator: torch.Generator) -> list[DataProto]:
