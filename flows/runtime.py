@@ -41,7 +41,12 @@ def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, **i
 
 
 def dataset_rows(config: RLConfig, split: str) -> list[dict]:
+    """Rows of a split: the configured files (validation falls back to the training files, with a warning), or
+    the built-in task's split."""
     files = config.data.train_files if split == "train" else config.data.val_files
+    if split != "train" and not files and config.data.train_files:
+        logger.warning("data.val_files is not set: validating on data.train_files")
+        files = config.data.train_files
     if files:
         return load_prompt_dataset(files, prompt_key=config.data.prompt_key)
     task_cfg = config.data.task
