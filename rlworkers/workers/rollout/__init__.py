@@ -8,10 +8,34 @@ over; with ``n`` samples per prompt every row appears ``n`` times, interleaved (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlworkers.protocol import DataProto
 from rlworkers.workers.common import compute_position_id_with_mask
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """What one ``generate_sequences`` call asks for: config defaults, overridden by ``prompts.meta_info``."""
+
+    prompts: DataProto  # each row repeated ``n`` times, interleaved (a a b b)
+    do_sample: bool
+    temperature: float  # 1.0 when greedy: log-probs are then those of the plain softmax
+    response_length: int
+
+
+def sampling_request(prompts: DataProto, config) -> SamplingRequest:
+    meta = prompts.meta_info
+    n = int(meta.get("n", config.n))
+    do_sample = bool(meta.get("do_sample", config.do_sample))
+    return SamplingRequest(
+        prompts=prompts.repeat(n, interleave=True) if n > 1 else prompts,
+        do_sample=do_sample,
+        temperature=float(meta.get("temperature", config.temperature)) if do_sample else 1.0,
+        response_length=int(meta.get("response_length", config.response_length)),
+    )
 
 
 def rollout_output(prompts: DataProto, responses: torch.Tensor, response_mask: torch.Tensor,

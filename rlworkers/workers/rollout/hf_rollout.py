@@ -7,7 +7,7 @@ import torch
 from rlworkers.protocol import DataProto
 from rlworkers.workers.common import logprobs_from_logits
 from rlworkers.workers.config import RolloutConfig
-from rlworkers.workers.rollout import rollout_output
+from rlworkers.workers.rollout import rollout_output, sampling_request
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -26,13 +26,9 @@ class HFRollout:
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        meta = prompts.meta_info
-        n = int(meta.get("n", self.config.n))
-        do_sample = bool(meta.get("do_sample", self.config.do_sample))
-        temperature = float(meta.get("temperature", self.config.temperature)) if do_sample else 1.0
-        response_length = int(meta.get("response_length", self.config.response_length))
-        if n > 1:
-            prompts = prompts.repeat(n, interleave=True)
+        request = sampling_request(prompts, self.config)
+        prompts, do_sample, temperature = request.prompts, request.do_sample, request.temperature
+        response_length = request.response_length
         input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         was_training = self.model.training
         self.model.eval()

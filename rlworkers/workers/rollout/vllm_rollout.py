@@ -65,7 +65,7 @@ import torch
 from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing vLLM into an install hint
 
 from rlworkers.protocol import DataProto
-from rlworkers.workers.rollout import rollout_output
+from rlworkers.workers.rollout import rollout_output, sampling_request
 from rlworkers.workers.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
@@ -159,14 +159,10 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------------------------------------ rollout
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        meta = prompts.meta_info
-        n = int(meta.get("n", self.config.n))
-        do_sample = bool(meta.get("do_sample", self.config.do_sample))
-        temperature = float(meta.get("temperature", self.config.temperature)) if do_sample else 0.0
-        response_length = int(meta.get("response_length", self.config.response_length))
-        stop = meta.get("stop", self._option("stop", None))
-        if n > 1:
-            prompts = prompts.repeat(n, interleave=True)
+        stop = prompts.meta_info.get("stop", self._option("stop", None))
+        request = sampling_request(prompts, self.config)
+        prompts, do_sample, response_length = request.prompts, request.do_sample, request.response_length
+        temperature = request.temperature if do_sample else 0.0  # vLLM's greedy
         input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         llm = self._engine(input_ids.shape[1], response_length)
         params = SamplingParams(
