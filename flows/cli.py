@@ -2,13 +2,16 @@
 
     rlflow server up|down|status                              local Prefect + MLflow servers (127.0.0.1)
     rlflow train grpo --config demo trainer.total_steps=50    run a training flow (sft, grpo, ppo, online_dpo)
-    rlflow runs                                               runs with their Prefect and MLflow links
+    rlflow runs                                               runs: lineage, parent, model version, status, links
+    rlflow deploy                                             work pool, scheduled deployments, crash automations
+    rlflow worker                                             a Prefect process worker that runs the deployments
     rlflow demo                                               SFT warm-up then GRPO on the built-in task
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import typer
@@ -51,7 +54,7 @@ def use_running_services() -> None:
                            "MLFLOW_TRACKING_URI": status["mlflow"]["url"]})
 
 
-def run_training(algorithm: str, config) -> dict:
+def run_training(algorithm: str, config, return_state: bool = False):
     """Run one training flow on a RayTaskRunner built from the config."""
     from prefect_ray import RayTaskRunner
 
@@ -59,7 +62,7 @@ def run_training(algorithm: str, config) -> dict:
 
     flow_fn = get_flow(algorithm)
     runner = RayTaskRunner(address=config.trainer.ray_address, init_kwargs=ray_init_kwargs(config))
-    return flow_fn.with_options(task_runner=runner)(config=config)
+    return flow_fn.with_options(task_runner=runner)(config=config, return_state=return_state)
 
 
 @app.callback()
@@ -83,28 +86,69 @@ def train(
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2)
     use_running_services()
-    metrics = run_training(algorithm, cfg)
+    state = run_training(algorithm, cfg, return_state=True)
+    if not state.is_completed():
+        console.print(f"[red]{state.name}: {state.message}[/red]")
+        raise typer.Exit(1)
+    metrics = state.result()
     console.print({k: round(v, 4) for k, v in (metrics or {}).items() if "score" in k or "loss" in k})
 
 
 @app.command()
-def runs(limit: int = typer.Option(20, help="most recent runs to list")) -> None:
-    """List training runs with their Prefect and MLflow links."""
+def runs(limit: int = typer.Option(20, help="most recent runs to list"),
+         lineage: Optional[str] = typer.Option(None, help="only the runs of this lineage")) -> None:
+    """List training runs: lineage, parent run, model version, status, and their Prefect and MLflow links."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
     use_running_services()
     client = MlflowClient()
-    table = Table("run", "algorithm", "status", "steps", "Prefect flow run", "MLflow run")
+    table = Table("run", "algorithm", "lineage", "parent", "model", "status", "steps", "Prefect flow run",
+                  "MLflow run")
     base = mlflow.get_tracking_uri().rstrip("/")
-    for run in client.search_runs(experiment_ids=[e.experiment_id for e in client.search_experiments()],
-                                  max_results=limit, order_by=["attributes.start_time DESC"]):
+    found = client.search_runs(experiment_ids=[e.experiment_id for e in client.search_experiments()],
+                               filter_string=f"tags.`rlflow.lineage` = '{lineage}'" if lineage else "",
+                               max_results=limit, order_by=["attributes.start_time DESC"])
+    names = {r.info.run_id: r.info.run_name for r in found}
+    for run in found:
         tags = run.data.tags
         steps = max((h.step for h in client.get_metric_history(run.info.run_id, "timing_s/step")), default=0)
-        table.add_row(tags.get("rlflow.run_name", run.info.run_name), tags.get("algorithm", ""), run.info.status,
-                      str(steps), tags.get("prefect.flow_run_url", ""),
+        parent = tags.get("rlflow.parent_run_id", "")
+        model = f"v{tags['rlflow.model_version']}" if "rlflow.model_version" in tags else ""
+        if "rlflow.promotion" in tags:
+            model += " promoted" if "promoted" in tags["rlflow.promotion"].split(":")[0] else " rejected"
+        table.add_row(tags.get("rlflow.run_name", run.info.run_name), tags.get("algorithm", ""),
+                      tags.get("rlflow.lineage", ""), names.get(parent, parent), model, run.info.status, str(steps),
+                      tags.get("prefect.flow_run_url", ""),
                       f"{base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
     console.print(table)
+
+
+@app.command()
+def deploy() -> None:
+    """Create (or update) the work pool, the deployments of deployments/prefect.yaml and the crash automations."""
+    from flows.deploy import POOL, deploy_all, ensure_automations, ensure_work_pool
+    from flows.services import require_prefect_api
+
+    use_running_services()
+    require_prefect_api()
+    ensure_work_pool()
+    console.print(deploy_all())
+    for name in ensure_automations():
+        console.print(f"automation: {name}")
+    console.print(f"Start a worker to run them: [bold]rlflow worker[/bold] (or `prefect worker start --pool {POOL}`)")
+
+
+@app.command()
+def worker(limit: int = typer.Option(1, help="flow runs at once on this machine")) -> None:
+    """Run a Prefect process worker on the rlflow pool: it starts the scheduled runs and watches their processes."""
+    from flows.deploy import POOL
+    from flows.services import require_prefect_api
+
+    use_running_services()
+    require_prefect_api()
+    os.execvp(sys.executable, [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type",
+                               "process", "--limit", str(limit)])
 
 
 @app.command()

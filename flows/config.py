@@ -25,6 +25,8 @@ from rlworkers.workers.config import (
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# model.path may name a model in MLflow: models:/<name>@<alias>, models:/<name>/<version>, runs:/<run id>/<path>
+MODEL_REFERENCE = re.compile(r"^(models:/[^/@]+(@[^/]+|/\d+)|runs:/[0-9a-f]{32}/.+)$")
 
 
 class _Frozen(BaseModel):
@@ -75,7 +77,14 @@ class AlgorithmConfig(_Frozen):
 
 class TrainerConfig(_Frozen):
     project_name: str = Field("rlflow", description="MLflow experiment")
-    run_name: str = Field("demo", description="names the run folder and resume target; same name = same run")
+    run_name: str | None = Field(None, description="names the run folder and resume target; same name = same "
+                                 "run. Unset: '<lineage>-<UTC time>' for a lineage, else the algorithm's name")
+    lineage: str | None = Field(None, description="train a lineage: each run starts from its champion model and "
+                                "continues its data, then registers its model and promotes it if validation held")
+    promotion_alias: str = Field("champion", description="registry alias of a lineage's current model")
+    promotion_tolerance: float = Field(0.0, ge=0, description="largest val/score/mean drop that still promotes")
+    republish: bool = Field(False, description="publish an already complete run again instead of failing")
+    max_crash_restarts: int = Field(3, ge=0, description="automatic restarts of a crashed flow run (deployments)")
     total_steps: int = Field(20, gt=0)
     save_freq: int = Field(10, description="checkpoint every N steps (and at the end); <= 0: only at the end")
     test_freq: int = Field(10, description="validate every N steps (and before the first and after the last)")
@@ -96,8 +105,12 @@ class TrainerConfig(_Frozen):
     def _check(self):
         if self.fault_injection and not re.fullmatch(r"[a-z_]+@\d+", self.fault_injection):
             raise ValueError("trainer.fault_injection must look like 'update_actor@3'")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.run_name):
-            raise ValueError("trainer.run_name may only hold letters, digits, '_', '-' and '.'")
+        for name in ("run_name", "lineage"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+                raise ValueError(f"trainer.{name} may only hold letters, digits, '_', '-' and '.'")
+        if self.lineage and not self.log_model:
+            raise ValueError("trainer.lineage publishes each run's model: set trainer.log_model=true")
         return self
 
 
@@ -112,6 +125,14 @@ class RLConfig(_Frozen):
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _check_model_reference(self):
+        path = self.model.path
+        if path.startswith(("models:", "runs:")) and not MODEL_REFERENCE.match(path):
+            raise ValueError(f"model.path {path!r} is not an MLflow model reference: use models:/<name>@<alias>, "
+                             "models:/<name>/<version> or runs:/<run id>/<path>")
+        return self
 
     @model_validator(mode="after")
     def _check_batches(self):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
+from flows.lineage import flow_run_name
 from flows.runtime import default_task_runner, start_run
 from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
     generate_sequences, update_actor
@@ -22,7 +23,7 @@ CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_a
 
 
 @flow(name="grpo", task_runner=default_task_runner(), retries=1, persist_result=False,
-      validate_parameters=True)
+      validate_parameters=True, flow_run_name=flow_run_name)
 def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
@@ -32,12 +33,12 @@ def grpo(config: RLConfig) -> dict:
             metrics = {}
             with run.step_timer(metrics):
                 prompts = run.next_prompts()
-                gen = generate_sequences.submit(actor, prompts)                                      # 1
-                scores = compute_reward.submit(reward, gen)                                          # 2
-                old = compute_log_prob.submit(actor, gen)
-                ref_lp = compute_ref_log_prob.submit(ref, gen)
-                batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state)    # 3
-                result = update_actor.submit(actor, batch, fault, step, run.root).result()             # 4
+                gen = generate_sequences.submit(actor, prompts, step)                                   # 1
+                scores = compute_reward.submit(reward, gen, step)                                       # 2
+                old = compute_log_prob.submit(actor, gen, step)
+                ref_lp = compute_ref_log_prob.submit(ref, gen, step)
+                batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
+                result = update_actor.submit(actor, batch, fault, step, run.root).result()              # 4
             metrics.update(result["metrics"])
             run.kl_ctrl_state = result["kl_ctrl_state"]
             run.end_step(step, metrics, CRITICAL_PATH)

@@ -17,6 +17,7 @@ import numpy as np
 from prefect import flow, task
 
 from flows.config import RLConfig
+from flows.lineage import flow_run_name
 from flows.runtime import default_task_runner, start_run
 from flows.stages import IDEMPOTENT, compute_ref_log_prob, compute_reward, generate_sequences, update_actor_dpo
 from rlworkers.algorithms.batch_ops import compute_data_metrics
@@ -25,8 +26,9 @@ from rlworkers.protocol import DataProto
 CRITICAL_PATH = [["gen"], ["reward", "ref"], ["pairs"], ["update_actor"]]
 
 
-@task(name="make_preference_pairs", **IDEMPOTENT)
-def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float) -> DataProto:
+@task(name="make_preference_pairs", task_run_name="make_preference_pairs-step-{step}", **IDEMPOTENT)
+def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float,
+                          step: int) -> DataProto:
     """Rows (chosen, rejected) per prompt with different scores; a multiple of ``world_size`` pairs."""
     start = time.perf_counter()
     for part in parts:
@@ -46,7 +48,7 @@ def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: 
 
 
 @flow(name="online_dpo", task_runner=default_task_runner(), retries=1, persist_result=False,
-      validate_parameters=True)
+      validate_parameters=True, flow_run_name=flow_run_name)
 def online_dpo(config: RLConfig) -> dict:
     if config.rollout.n < 2:
         raise ValueError("online DPO pairs responses of the same prompt: set rollout.n >= 2")
@@ -56,10 +58,10 @@ def online_dpo(config: RLConfig) -> dict:
         for step in run.steps:
             metrics = {}
             with run.step_timer(metrics):
-                gen = generate_sequences.submit(actor, run.next_prompts())                          # 1
-                parts = [compute_reward.submit(reward, gen), compute_ref_log_prob.submit(ref, gen)]  # 2
+                gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
+                parts = [compute_reward.submit(reward, gen, step), compute_ref_log_prob.submit(ref, gen, step)]  # 2
                 pairs = make_preference_pairs.submit(gen, parts, config.trainer.n_workers,          # 3
-                                                     config.algorithm.dpo_beta)
+                                                     config.algorithm.dpo_beta, step)
                 metrics.update(update_actor_dpo.submit(actor, pairs, config.trainer.fault_injection, step,  # 4
                                                        run.root).result())
             run.end_step(step, metrics, CRITICAL_PATH)

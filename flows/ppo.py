@@ -14,6 +14,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
+from flows.lineage import flow_run_name
 from flows.runtime import default_task_runner, start_run
 from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
     compute_values, generate_sequences, update_actor, update_critic
@@ -22,7 +23,7 @@ CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], 
 
 
 @flow(name="ppo", task_runner=default_task_runner(), retries=1, persist_result=False,
-      validate_parameters=True)
+      validate_parameters=True, flow_run_name=flow_run_name)
 def ppo(config: RLConfig) -> dict:
     if config.algorithm.adv_estimator != "gae":
         raise ValueError("the ppo flow estimates advantages with a critic: set algorithm.adv_estimator=gae "
@@ -34,11 +35,11 @@ def ppo(config: RLConfig) -> dict:
         for step in run.steps:
             metrics = {}
             with run.step_timer(metrics):
-                gen = generate_sequences.submit(actor, run.next_prompts())                          # 1
-                parts = [compute_reward.submit(reward, gen), compute_log_prob.submit(actor, gen),   # 2
-                         compute_ref_log_prob.submit(ref, gen), compute_values.submit(critic, gen)]
-                batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state)          # 3
-                critic_result = update_critic.submit(critic, batch)                                 # 4
+                gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
+                parts = [compute_reward.submit(reward, gen, step), compute_log_prob.submit(actor, gen, step),  # 2
+                         compute_ref_log_prob.submit(ref, gen, step), compute_values.submit(critic, gen, step)]
+                batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state, step)    # 3
+                critic_result = update_critic.submit(critic, batch, step)                           # 4
                 result = update_actor.submit(actor, batch, config.trainer.fault_injection, step, run.root).result()
                 metrics.update(critic_result.result())
             metrics.update(result["metrics"])

@@ -5,6 +5,7 @@ checkpoints and publish them as Prefect artifacts. The flows themselves (``flows
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,12 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from prefect import get_run_logger, task
 
+from flows import lineage
 from flows.config import RLConfig, flatten, runs_root
 from flows.stages import IDEMPOTENT, validate
-from flows.tracking import ProgressArtifact, Tracker, prefect_flow_run_links, publish_checkpoint_artifact, \
-    publish_mlflow_link
-from rlworkers.checkpoint import apply_retention, begin_checkpoint, commit_checkpoint, list_checkpoints, read_json, \
-    resolve_resume, write_json
+from flows.tracking import ProgressArtifact, Tracker, artifact_key, prefect_flow_run_links, \
+    publish_checkpoint_artifact, publish_mlflow_link
+from rlworkers.checkpoint import apply_retention, begin_checkpoint, commit_checkpoint, read_json, resolve_resume, \
+    write_json
 from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
@@ -73,6 +75,8 @@ class Run:
     progress: ProgressArtifact | None = None
     terminal: "TerminalProgress | None" = None
     last_metrics: dict = field(default_factory=dict)
+    record: lineage.RunRecord | None = None
+    val_scores: dict[int, float] = field(default_factory=dict)
 
     @property
     def checkpoint_root(self) -> str:
@@ -83,14 +87,22 @@ class Run:
         return range(self.start_step, self.config.trainer.total_steps + 1)
 
     # ------------------------------------------------------------------------------------------ batches
-    def next_prompts(self):
+    def next_rows(self) -> list[dict]:
+        epoch = self.loader.epoch
         rows = self.loader.next_batch()
+        if self.loader.epoch != epoch:
+            get_run_logger().warning("the training data is exhausted after epoch %d: starting epoch %d",
+                                     epoch, self.loader.epoch)
+        return rows
+
+    def next_prompts(self):
+        rows = self.next_rows()
         data = self.config.data
         return prompt_batch(rows, self.tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
                             max_prompt_length=data.max_prompt_length)
 
     def next_sft_batch(self):
-        return sft_batch(self.loader.next_batch(), self.tokenizer, prompt_key=self.config.data.prompt_key,
+        return sft_batch(self.next_rows(), self.tokenizer, prompt_key=self.config.data.prompt_key,
                          response_key=self.config.data.response_key)
 
     # ------------------------------------------------------------------------------------------ per step
@@ -137,7 +149,7 @@ class Run:
             if self.start_step == 1:
                 self.validate(step=0)
             yield
-            self.save_final_model()
+            self.publish()
             status = "FINISHED"
         finally:
             self.close(status)
@@ -155,7 +167,7 @@ class Run:
         rows = self.val_rows[: self.config.data.val_batch_size or len(self.val_rows)]
         prompts = prompt_batch(rows, self.tokenizer, prompt_key=self.config.data.prompt_key,
                                answer_key=self.config.data.answer_key)
-        out = validate.submit(self.groups["actor"], self.groups["reward"], prompts).result()
+        out = validate.submit(self.groups["actor"], self.groups["reward"], prompts, step).result()
         scores = out.non_tensor_batch["score"].astype(float)
         metrics = {"val/score/mean": float(np.mean(scores)), "timing_s/validate": out.meta_info["timing_s/validate"]}
         for source in sorted(set(out.non_tensor_batch["data_source"])):
@@ -168,6 +180,7 @@ class Run:
         if samples:
             self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
         self.tracker.log_metrics(metrics, step)
+        self.val_scores[step] = metrics["val/score/mean"]
         return metrics
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -182,14 +195,52 @@ class Run:
         self.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
         return path
 
-    def save_final_model(self) -> str:
+    def publish(self) -> dict:
+        """Save the final model, log (and register) it, promote it in a lineage, record the data cursor, and mark
+        the run complete (``result.json``); a Prefect markdown artifact summarises it."""
+        from prefect.artifacts import create_markdown_artifact
+
+        total = self.config.trainer.total_steps
+        if total not in self.val_scores:  # an attempt that only finishes publishing
+            self.validate(total)
+        cursor = self.loader.state_dict()
+        result = {"run_name": self.config.trainer.run_name, "steps": total, "val/score/mean": self.val_scores[total],
+                  "data_epoch": cursor["epoch"], "data_cursor": cursor}
+        self.tracker.set_tags({"rlflow.data_cursor": json.dumps(cursor)})
         path = f"{self.root}/final_model"
         self.groups["actor"].save_checkpoint(path)
         self.tracker.set_tags({"final_model_path": path})
         if self.config.trainer.log_model:
-            uri = self.tracker.log_model(path, register_as=self.config.trainer.register_model_name)
-            self.tracker.set_tags({"final_model_uri": uri})
-        return path
+            info = self.tracker.log_model(path, register_as=lineage.registered_model_name(self.config))
+            result["model_uri"] = info.model_uri
+            self.tracker.set_tags({"final_model_uri": info.model_uri})
+            if info.registered_model_version:
+                result["model_version"] = str(info.registered_model_version)
+                self.tracker.set_tags({"rlflow.model_version": result["model_version"]})
+        if self.config.trainer.lineage and "model_version" in result:
+            result["decision"] = self.promote(result["model_version"], result["val/score/mean"])
+        lineage.write_result(self.root, result)
+        create_markdown_artifact(key=f"{artifact_key(self.config.trainer.run_name)}-result",
+                                 markdown=lineage.summary_markdown(self.record, result),
+                                 description=f"result of {self.config.trainer.run_name}")
+        return result
+
+    def promote(self, version: str, score: float) -> str:
+        """Move the lineage's alias to ``version`` unless validation got worse than the champion's (or, with no
+        champion yet, than the start model's score at step 0 of this run)."""
+        client = self.tracker.client
+        name, trainer = lineage.registered_model_name(self.config), self.config.trainer
+        baseline, label = lineage.champion_score(client, name, trainer.promotion_alias)
+        if baseline is None:
+            history = client.get_metric_history(self.tracker.run_id, "val/score/mean")
+            baseline = next((m.value for m in history if m.step == 0), None)
+            label = f"the start model ({self.record.model_uri})"
+        decision = lineage.promote(client, name, version, trainer.promotion_alias, score, baseline,
+                                   trainer.promotion_tolerance, label)
+        verdict = f"promoted to @{trainer.promotion_alias}" if decision["promoted"] else "rejected"
+        self.tracker.set_tags({"rlflow.promotion": f"v{version} {verdict}: {decision['reason']}"})
+        get_run_logger().info("%s v%s %s: %s", name, version, verdict, decision["reason"])
+        return f"v{version} {verdict}: {decision['reason']}"
 
     def close(self, status: str) -> None:
         if self.terminal:
@@ -220,7 +271,7 @@ class TerminalProgress:
         self.bar.stop()
 
 
-@task(name="save_checkpoint", **IDEMPOTENT)
+@task(name="save_checkpoint", task_run_name="save_checkpoint-step-{step}", **IDEMPOTENT)
 def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int) -> tuple[str, dict]:
     """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically)."""
     step_dir = begin_checkpoint(root, step, overwrite=True)
@@ -235,43 +286,98 @@ def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep
 
 # ---------------------------------------------------------------------------------------------- set-up
 def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Run:
-    """Resolve resume, open the MLflow run, build the worker groups (``roles`` among actor, ref, reward, critic)."""
+    """Name the run, pin what it starts from (first attempt) or read that back (later attempts), open its MLflow
+    run, build the worker groups (``roles`` among actor, ref, reward, critic) and resume its newest checkpoint.
+
+    Raises:
+        RunAlreadyComplete: the run already trained all its steps and published them (``trainer.republish``).
+        RestartBudgetExhausted: the flow run crashed more than ``trainer.max_crash_restarts`` times.
+        ModelReferenceError: ``model.path`` names an MLflow model that does not exist.
+    """
     from flows.services import require_mlflow_tracking, require_prefect_api
 
     require_prefect_api()
     require_mlflow_tracking()
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(
+        update={"run_name": lineage.run_name(config, algorithm)})})
+    name = config.trainer.run_name
     root = runs_root(config)
-    resume = resolve_resume(f"{root}/checkpoints", config.trainer.resume)
-    if resume is None and config.trainer.resume == "never" and list_checkpoints(f"{root}/checkpoints"):
-        raise RuntimeError(f"run {config.trainer.run_name!r} already has checkpoints under {root}/checkpoints; "
-                           "use trainer.resume=auto to continue it, or choose another trainer.run_name")
+    crashes = lineage.check_restart_budget(config.trainer.max_crash_restarts)
+    links = prefect_flow_run_links()
+    record = lineage.RunRecord.read(root)
+    same_flow_run = record is not None and record.prefect_flow_run_id == links.get("prefect.flow_run_id")
+    if record and config.trainer.resume == "never" and not same_flow_run:
+        raise RuntimeError(f"run {name!r} already exists under {root}; use trainer.resume=auto to continue it, or "
+                           "choose another trainer.run_name")
+    # resume=never means "do not continue another run": a later attempt of this flow run still resumes its own.
+    resume = resolve_resume(f"{root}/checkpoints", "auto" if same_flow_run else config.trainer.resume)
     state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
     if state and state["algorithm"] != algorithm:
         raise RuntimeError(f"{resume[0]} is a {state['algorithm']} checkpoint; this is the {algorithm} flow")
+    if state and state["step"] >= config.trainer.total_steps and lineage.read_result(root) \
+            and not config.trainer.republish:
+        raise lineage.RunAlreadyComplete(
+            f"run {name!r} already trained its {config.trainer.total_steps} steps and published its result "
+            f"({root}/result.json): nothing to do. Raise trainer.total_steps to train it further, set "
+            "trainer.republish=true to publish it again, or start a new run (another trainer.run_name, or a "
+            "lineage's next run).")
 
-    links = prefect_flow_run_links()
-    tracker = Tracker(config.trainer.project_name, config.trainer.run_name,
-                      run_id=state["mlflow_run_id"] if state else None,
-                      tags={"algorithm": algorithm, "rlflow.run_name": config.trainer.run_name, **links})
+    experiment = config.trainer.lineage or config.trainer.project_name
+    tags = {"algorithm": algorithm, **links, **({"rlflow.lineage": config.trainer.lineage}
+                                                  if config.trainer.lineage else {})}
+    if record is None:
+        tracker, record = _new_record(config, algorithm, experiment, tags, links.get("prefect.flow_run_id"))
+    else:
+        tracker = Tracker(experiment, name, run_id=record.mlflow_run_id, tags=tags)
     tracker.log_params(flatten(config))
-    publish_mlflow_link(config.trainer.run_name, tracker.url)
+    publish_mlflow_link(name, tracker.url)
 
-    model_path = resolve_model_path(config.model.path)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(record.model_dir)
     loader = PromptDataLoader(dataset_rows(config, "train"), batch_size=config.data.train_batch_size,
                               shuffle=config.data.shuffle, seed=config.trainer.seed)
     run = Run(config=config, algorithm=algorithm, root=root, tokenizer=tokenizer, loader=loader,
-              val_rows=dataset_rows(config, "validation"), tracker=tracker)
-    run.groups = _build_groups(config, roles, model_path)
+              val_rows=dataset_rows(config, "validation"), tracker=tracker, record=record)
+    if record.data_cursor and not resume:
+        get_run_logger().info("lineage %s: %s", config.trainer.lineage,
+                              lineage.continue_data_cursor(loader, record.data_cursor))
+    run.groups = _build_groups(config, roles, record.model_dir)
     if resume:
         _restore(run, resume[0], state)
-    run.progress = ProgressArtifact(config.trainer.run_name, config.trainer.total_steps)
+    run.progress = ProgressArtifact(name, config.trainer.total_steps)
     if sys.stderr.isatty():
-        run.terminal = TerminalProgress(f"{algorithm} {config.trainer.run_name}", config.trainer.total_steps,
-                                        run.start_step - 1)
-    get_run_logger().info("%s run %r: steps %d..%d, MLflow %s%s", algorithm, config.trainer.run_name, run.start_step,
-                          config.trainer.total_steps, tracker.url, f" (resumed from {resume[0]})" if resume else "")
+        run.terminal = TerminalProgress(f"{algorithm} {name}", config.trainer.total_steps, run.start_step - 1)
+    get_run_logger().info(
+        "%s run %r from %s: steps %d..%d, MLflow %s%s%s", algorithm, name, record.model_uri, run.start_step,
+        config.trainer.total_steps, tracker.url, f" (resumed from {resume[0]})" if resume else "",
+        f" (attempt after {crashes} crash(es))" if crashes else "")
     return run
+
+
+def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict,
+                flow_run_id: str | None) -> tuple[Tracker, lineage.RunRecord]:
+    """A run's first attempt: resolve and pin its start model (and, in a lineage, its parent run and data cursor),
+    then create its MLflow run. Nothing is written before the start model has resolved."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    model_uri, model_dir = lineage.start_model(config, client, lineage.cache_root(config))
+    model_dir = resolve_model_path(model_dir)  # "tiny" -> its folder
+    parent = None
+    if config.trainer.lineage:
+        found = client.get_experiment_by_name(experiment)
+        parent = lineage.lineage_parent(client, found.experiment_id, config.trainer.lineage) if found else None
+    cursor = json.loads(parent.data.tags["rlflow.data_cursor"]) if parent and "rlflow.data_cursor" in \
+        parent.data.tags else None
+    lineage_tags = {"rlflow.start_model": model_uri}
+    if parent:
+        lineage_tags["rlflow.parent_run_id"] = parent.info.run_id
+    tracker = Tracker(experiment, config.trainer.run_name, tags={**tags, **lineage_tags})
+    record = lineage.RunRecord(run_name=config.trainer.run_name, algorithm=algorithm, lineage=config.trainer.lineage,
+                               model_uri=model_uri, model_dir=model_dir, mlflow_run_id=tracker.run_id,
+                               prefect_flow_run_id=flow_run_id, parent_run_id=parent.info.run_id if parent else None,
+                               data_cursor=cursor)
+    record.write(runs_root(config))
+    return tracker, record
 
 
 def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup]:

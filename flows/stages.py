@@ -2,6 +2,7 @@
 next stage needs. On RayTaskRunner every ``.submit()`` runs in a Ray worker; futures passed between stages stay in
 Ray's object store and never pass through the flow process.
 
+Task runs are named ``<stage>-step-<N>`` (the training step they belong to; validation before training is step 0).
 Every stage records ``timing_s/<stage>`` (seconds spent in the call) in the returned DataProto's ``meta_info``;
 the flow adds them up into the step's metrics.
 
@@ -66,41 +67,41 @@ def _timed(out: DataProto, name: str, start: float) -> DataProto:
 
 
 # --------------------------------------------------------------------------------------------------- stages
-@task(name="generate_sequences", **STATEFUL)
-def generate_sequences(actor_rollout, prompts: DataProto) -> DataProto:
+@task(name="generate_sequences", task_run_name="generate_sequences-step-{step}", **STATEFUL)
+def generate_sequences(actor_rollout, prompts: DataProto, step: int) -> DataProto:
     start = time.perf_counter()
     return _timed(actor_rollout.generate_sequences(prompts), "gen", start)
 
 
-@task(name="compute_reward", **IDEMPOTENT)
-def compute_reward(reward, batch: DataProto) -> DataProto:
+@task(name="compute_reward", task_run_name="compute_reward-step-{step}", **IDEMPOTENT)
+def compute_reward(reward, batch: DataProto, step: int) -> DataProto:
     start = time.perf_counter()
     return _timed(reward.compute_rm_score(batch), "reward", start)
 
 
-@task(name="compute_log_prob", **IDEMPOTENT)
-def compute_log_prob(actor, batch: DataProto) -> DataProto:
+@task(name="compute_log_prob", task_run_name="compute_log_prob-step-{step}", **IDEMPOTENT)
+def compute_log_prob(actor, batch: DataProto, step: int) -> DataProto:
     start = time.perf_counter()
     out = actor.compute_log_prob(batch)
     out.meta_info.pop("temperature", None)
     return _timed(out, "old_log_prob", start)
 
 
-@task(name="compute_ref_log_prob", **IDEMPOTENT)
-def compute_ref_log_prob(ref, batch: DataProto) -> DataProto:
+@task(name="compute_ref_log_prob", task_run_name="compute_ref_log_prob-step-{step}", **IDEMPOTENT)
+def compute_ref_log_prob(ref, batch: DataProto, step: int) -> DataProto:
     start = time.perf_counter()
     return _timed(ref.compute_ref_log_prob(batch), "ref", start)
 
 
-@task(name="compute_values", **IDEMPOTENT)
-def compute_values(critic, batch: DataProto) -> DataProto:
+@task(name="compute_values", task_run_name="compute_values-step-{step}", **IDEMPOTENT)
+def compute_values(critic, batch: DataProto, step: int) -> DataProto:
     start = time.perf_counter()
     return _timed(critic.compute_values(batch), "values", start)
 
 
-@task(name="compute_advantage", **IDEMPOTENT)
-def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
-                      kl_ctrl_state: dict | None) -> DataProto:
+@task(name="compute_advantage", task_run_name="compute_advantage-step-{step}", **IDEMPOTENT)
+def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None,
+                      step: int) -> DataProto:
     """Merge the stage outputs into the batch and add advantages (a pure function of its inputs)."""
     start = time.perf_counter()
     for part in parts:
@@ -119,7 +120,7 @@ def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
     return _timed(batch, "adv", start)
 
 
-@task(name="update_actor", **STATEFUL)
+@task(name="update_actor", task_run_name="update_actor-step-{step}", **STATEFUL)
 def update_actor(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
     """PPO/GRPO policy update. Returns the step's metrics: update, data and every stage's timing."""
     maybe_inject_fault(fault, "update_actor", step, marker_dir)
@@ -130,14 +131,14 @@ def update_actor(actor, batch: DataProto, fault: str | None, step: int, marker_d
             "kl_ctrl_state": batch.meta_info.get("kl_ctrl_state")}
 
 
-@task(name="update_critic", **STATEFUL)
-def update_critic(critic, batch: DataProto) -> dict:
+@task(name="update_critic", task_run_name="update_critic-step-{step}", **STATEFUL)
+def update_critic(critic, batch: DataProto, step: int) -> dict:
     start = time.perf_counter()
     out = critic.update_critic(batch)
     return {**_mean_metrics(out), "timing_s/update_critic": time.perf_counter() - start}
 
 
-@task(name="sft_step", **STATEFUL)
+@task(name="sft_step", task_run_name="sft_step-step-{step}", **STATEFUL)
 def sft_step(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
     maybe_inject_fault(fault, "sft_step", step, marker_dir)
     start = time.perf_counter()
@@ -145,7 +146,7 @@ def sft_step(actor, batch: DataProto, fault: str | None, step: int, marker_dir: 
     return {**_mean_metrics(out), "timing_s/sft_step": time.perf_counter() - start}
 
 
-@task(name="update_actor_dpo", **STATEFUL)
+@task(name="update_actor_dpo", task_run_name="update_actor_dpo-step-{step}", **STATEFUL)
 def update_actor_dpo(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
     """DPO update on (chosen, rejected) row pairs; a step without pairs changes nothing."""
     maybe_inject_fault(fault, "update_actor_dpo", step, marker_dir)
@@ -155,8 +156,8 @@ def update_actor_dpo(actor, batch: DataProto, fault: str | None, step: int, mark
             "timing_s/update_actor": time.perf_counter() - start}
 
 
-@task(name="validate", **IDEMPOTENT)
-def validate(actor_rollout, reward, prompts: DataProto) -> DataProto:
+@task(name="validate", task_run_name="validate-step-{step}", **IDEMPOTENT)
+def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
     """Greedy generation on the validation prompts, scored by the reward worker."""
     start = time.perf_counter()
     prompts.meta_info.update(do_sample=False, n=1)

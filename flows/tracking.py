@@ -27,21 +27,27 @@ def sanitize_metric_name(name: str) -> str:
 
 
 class Tracker:
-    """One MLflow run. ``run_id`` resumes an existing run (after a crash) instead of starting a new one."""
+    """One MLflow run. ``run_id`` continues an existing run (a later attempt of the same training run); without
+    it, a run tagged with the same ``rlflow.run_name`` is continued if one exists, else a new one is created."""
 
     def __init__(self, experiment: str, run_name: str, *, run_id: str | None = None, tags: dict | None = None):
         self.client = MlflowClient()
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = existing.experiment_id if existing else self.client.create_experiment(experiment)
+        if run_id is None:
+            found = self.client.search_runs([self.experiment_id], max_results=1,
+                                            filter_string=f"tags.`rlflow.run_name` = '{run_name}'")
+            run_id = found[0].info.run_id if found else None
         if run_id:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
             self.resumed = True
+            if tags:
+                self.set_tags(tags)
         else:
-            self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+            tags = {"rlflow.run_name": run_name, **(tags or {})}
+            self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
             self.resumed = False
-        if tags and run_id:
-            self.set_tags(tags)
 
     @property
     def url(self) -> str:
@@ -74,8 +80,9 @@ class Tracker:
     def log_dict(self, data: dict, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, data, artifact_file)
 
-    def log_model(self, model_dir: str, register_as: str | None = None) -> str:
-        """Log the final model (HF folder) with the transformers flavor; returns its model URI.
+    def log_model(self, model_dir: str, register_as: str | None = None):
+        """Log the final model (HF folder) with the transformers flavor; returns MLflow's ModelInfo (``model_uri``,
+        ``registered_model_version``).
 
         Requirements are given explicitly: MLflow's inference adds torchvision for every torch model, which this
         project does not install (PyPI's torchvision breaks the CPU torch build).
@@ -91,7 +98,7 @@ class Tracker:
                 transformers_model={"model": model, "tokenizer": tokenizer}, name="model", task="text-generation",
                 registered_model_name=register_as,
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")])
-        return info.model_uri
+        return info
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
@@ -115,7 +122,7 @@ def publish_checkpoint_artifact(run_name: str, step: int, path: str, metrics: di
     key_metrics = {k: round(v, 4) for k, v in metrics.items()
                    if k in ("critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "sft/loss")}
     create_table_artifact(
-        key=f"{_artifact_key(run_name)}-checkpoints",
+        key=f"{artifact_key(run_name)}-checkpoints",
         table=[{"step": step, "path": path, **key_metrics}],
         description=f"checkpoint of {run_name} at step {step}",
     )
@@ -124,7 +131,7 @@ def publish_checkpoint_artifact(run_name: str, step: int, path: str, metrics: di
 def publish_mlflow_link(run_name: str, url: str) -> None:
     from prefect.artifacts import create_link_artifact
 
-    create_link_artifact(key=f"{_artifact_key(run_name)}-mlflow", link=url, link_text="MLflow run",
+    create_link_artifact(key=f"{artifact_key(run_name)}-mlflow", link=url, link_text="MLflow run",
                          description=f"MLflow run of {run_name}")
 
 
@@ -135,7 +142,7 @@ class ProgressArtifact:
         from prefect.artifacts import create_progress_artifact
 
         self.total = total
-        self.id = create_progress_artifact(progress=0.0, key=f"{_artifact_key(run_name)}-progress",
+        self.id = create_progress_artifact(progress=0.0, key=f"{artifact_key(run_name)}-progress",
                                            description=f"training progress of {run_name}")
 
     def update(self, step: int) -> None:
@@ -144,6 +151,6 @@ class ProgressArtifact:
         update_progress_artifact(self.id, progress=100.0 * step / self.total)
 
 
-def _artifact_key(name: str) -> str:
+def artifact_key(name: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", name.lower())
 

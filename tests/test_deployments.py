@@ -51,6 +51,7 @@ def test_prefect_deploy_registers_schedules_and_limits(services):
     nightly = deployments["nightly-grpo"]
     assert nightly.schedules[0].schedule.cron == "0 2 * * *"
     assert nightly.global_concurrency_limit is not None and nightly.global_concurrency_limit.limit == 1
-    assert nightly.parameters["config"]["trainer"]["run_name"] == "nightly-grpo"
+    assert nightly.parameters["config"]["trainer"]["lineage"] == "nightly-grpo"
+    assert "rlflow" in nightly.tags  # what the crash automations match on
     assert nightly.work_pool_name == "rlflow"
     assert "config" in nightly.parameter_openapi_schema["properties"]  # the UI's parameter form

@@ -80,14 +80,16 @@ def test_grpo_flow_end_to_end(env):
     assert {"critic/score/mean", "actor/pg_loss", "timing_s/gen", "perf/orchestration_overhead_frac"} <= set(metrics)
 
     flow_run, task_runs, artifacts = asyncio.run(prefect_view(state.state_details.flow_run_id))
-    per_stage = Counter(task_run.name.rsplit("-", 1)[0] for task_run in task_runs)
+    per_stage = Counter(task_run.name.split("-step-")[0] for task_run in task_runs)
+    assert {t.name for t in task_runs if t.name.startswith("update_actor")} == {f"update_actor-step-{s}" for s in (1, 2, 3)}
     for stage in ("generate_sequences", "compute_reward", "compute_log_prob", "compute_ref_log_prob",
                   "compute_advantage", "update_actor"):
         assert per_stage.get(stage) == 3, (stage, per_stage)  # one task run per stage per step
     assert per_stage.get("save_checkpoint") == 2 and per_stage.get("validate") == 3  # steps 2, 3 (+ step 0)
     assert all(t.state.is_completed() for t in task_runs)
     keys = {a.key for a in artifacts}
-    assert {f"{name}-checkpoints", f"{name}-progress", f"{name}-mlflow"} <= keys
+    assert {f"{name}-checkpoints", f"{name}-progress", f"{name}-mlflow", f"{name}-result"} <= keys
+    assert flow_run.name == name  # the Prefect flow run is named after the training run
     checkpoint_rows = [row for a in artifacts if a.key == f"{name}-checkpoints" for row in _table_rows(a)]
     assert sorted(row["step"] for row in checkpoint_rows) == [2, 3]
     link = next(a for a in artifacts if a.key == f"{name}-mlflow")
@@ -131,7 +133,7 @@ def test_crash_and_resume_matches_uninterrupted_run(env):
 
     _, flow_task_runs, _ = asyncio.run(prefect_view(crash_state.state_details.flow_run_id))
     failed = [t for t in flow_task_runs if t.state.is_failed()]
-    assert [t.name.rsplit("-", 1)[0] for t in failed] == ["update_actor"]  # the injected fault, then the flow retry
+    assert [t.name for t in failed] == ["update_actor-step-3"]  # the injected fault, then the flow retry
 
     client, run = mlflow_run(f"{base}-crash")  # one MLflow run across both attempts
     assert run.info.status == "FINISHED"

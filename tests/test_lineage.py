@@ -1,0 +1,99 @@
+"""Lineages against real Prefect and MLflow servers: each run starts from the lineage's champion and the data its
+parent had not seen, registers its model, and is promoted only if validation held; a complete run is not re-run
+silently; a model reference that does not exist fails before any worker starts, naming what exists.
+
+Validation scores come from reward functions the test writes (a constant per run), so promotion and rejection are
+decided by the real registry logic on known numbers, not by the luck of a few training steps.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from prefect_ray import RayTaskRunner
+from safetensors.torch import load_file
+
+from flows.config import load_config
+from flows.lineage import RunRecord, read_result
+from flows.sft import sft
+from rlworkers.models.tiny import ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def env(ray_cluster, services, tmp_path_factory):
+    model = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    rewards = tmp_path_factory.mktemp("rewards")
+    for name, value in (("good", 0.6), ("worse", 0.3)):
+        (rewards / f"{name}.py").write_text(
+            f"def score(prompts, responses, **columns):\n    return [{value}] * len(responses)\n")
+    return {"model": str(model), "runs": str(tmp_path_factory.mktemp("runs")), "rewards": rewards}
+
+
+def lineage_config(env, lineage: str, reward: str, *extra: str):
+    return load_config("demo-sft", [
+        f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.lineage={lineage}",
+        "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0", "data.train_batch_size=16",
+        "data.val_batch_size=8", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
+        "trainer.log_samples=0", f"reward.reward_fn={env['rewards'] / reward}.py:score", *extra])
+
+
+def run_sft(config):
+    state = sft.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    return state
+
+
+def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env):
+    lineage = f"lin-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient()
+
+    first = run_sft(lineage_config(env, lineage, "good"))
+    assert first.is_completed(), first.message
+    second = run_sft(lineage_config(env, lineage, "worse"))
+    assert second.is_completed(), second.message
+
+    runs = client.search_runs([client.get_experiment_by_name(lineage).experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    assert len(runs) == 2
+    one, two = runs
+    assert one.info.run_name.startswith(f"{lineage}-") and one.info.run_name != two.info.run_name
+    record_one = RunRecord.read(f"{env['runs']}/{one.info.run_name}")
+    record_two = RunRecord.read(f"{env['runs']}/{two.info.run_name}")
+    # The first run started from model.path (no champion yet), the second from the first run's registered model.
+    assert record_one.model_uri == env["model"] and record_one.parent_run_id is None
+    assert record_two.model_uri == f"models:/{lineage}/1" and record_two.parent_run_id == one.info.run_id
+    start_weights = load_file(f"{record_two.model_dir}/model.safetensors")
+    final_one = load_file(f"{env['runs']}/{one.info.run_name}/final_model/model.safetensors")
+    assert all(torch.equal(start_weights[k], final_one[k]) for k in final_one)
+    # Data: 2 steps x 16 rows each; the second run continues at the third batch of the same epoch.
+    result_one = read_result(f"{env['runs']}/{one.info.run_name}")
+    result_two = read_result(f"{env['runs']}/{two.info.run_name}")
+    assert (result_one["data_cursor"]["epoch"], result_one["data_cursor"]["position"]) == (0, 2)
+    assert record_two.data_cursor == result_one["data_cursor"]
+    assert (result_two["data_cursor"]["epoch"], result_two["data_cursor"]["position"]) == (0, 4)
+    # Each run has its own metrics and the lineage tags.
+    for run in (one, two):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")]
+        assert steps == [1, 2]
+        assert run.data.tags["rlflow.lineage"] == lineage and run.info.status == "FINISHED"
+    # Promotion: v1 (0.6) became champion; v2 (0.3 < 0.6) is rejected and the alias stays on v1.
+    assert client.get_model_version_by_alias(lineage, "champion").version == "1"
+    v2 = client.get_model_version(lineage, "2")
+    assert "0.3 < champion v1 0.6" in v2.tags["rejected"]
+    assert result_two["decision"].startswith("v2 rejected")
+
+    # Running the complete first run again trains nothing, so it fails and says so; the run is left as it was.
+    again = run_sft(lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}"))
+    assert again.is_failed() and "already trained its 2 steps" in again.message
+    assert len(client.search_model_versions(f"name = '{lineage}'")) == 2
+
+
+def test_missing_model_reference_fails_before_workers_start(env):
+    config = lineage_config(env, f"ref-{uuid.uuid4().hex[:6]}", "good", "model.path=models:/no-such-model@champion")
+    state = run_sft(config)
+    assert state.is_failed()
+    assert "no registered model 'no-such-model'" in state.message and "registered" in state.message
+    assert not list(Path(env["runs"]).glob(f"{config.trainer.lineage}-*/run.json"))  # nothing was started

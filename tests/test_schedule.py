@@ -1,0 +1,170 @@
+"""Scheduling as a user runs it: `rlflow deploy` on a real Prefect server, a real process worker (`rlflow worker`),
+deployment runs triggered through the Prefect API.
+
+- two triggers of a lineage deployment: the second waits for the first (concurrency limit), then starts from the
+  first run's promoted model and continues its data;
+- SIGKILL of the flow-run process mid-run (as the OOM killer would): the run is marked Crashed, the automation
+  starts a new attempt without any command, it resumes from the last checkpoint and ends Completed with the same
+  weights as an uninterrupted run; no process of the dead attempt survives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from flows.lineage import RunRecord, read_result
+from rlworkers.models.tiny import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def worker(services, tmp_path_factory):
+    home = tmp_path_factory.mktemp("schedule")
+    env = {**os.environ, "PREFECT_API_URL": services["PREFECT_API_URL"],
+           "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"], "PYTHONPATH": str(ROOT)}
+    deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    assert "rlflow: restart crashed runs" in deployed.stdout
+    log = open(home / "worker.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=env, cwd=ROOT, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    yield {"model": str(ensure_tiny_model(home / "tiny")), "runs": str(home / "runs"), "log": home / "worker.log"}
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+    log.close()
+
+
+def sft_params(worker, **trainer):
+    return {"config": {
+        "model": {"path": worker["model"]},
+        "data": {"train_batch_size": 16, "val_batch_size": 8},
+        "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1.0e-3}},
+        "trainer": {"runs_dir": worker["runs"], "test_freq": 0, "log_samples": 0, "ray_num_cpus": 8, **trainer},
+    }}
+
+
+def trigger(parameters: dict):
+    from prefect.deployments import run_deployment
+
+    return run_deployment("sft/weekly-sft", parameters=parameters, timeout=0)
+
+
+def read_flow_run(flow_run_id):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+def wait_final(flow_run_id, worker, timeout_s: float = 420):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        flow_run = read_flow_run(flow_run_id)
+        if flow_run.state.is_final() and flow_run.state.type.value != "CRASHED":
+            return flow_run
+        time.sleep(2)
+    raise AssertionError(f"flow run {flow_run_id} not final after {timeout_s} s: {flow_run.state}\n"
+                         f"{Path(worker['log']).read_text()[-3000:]}")
+
+
+def test_two_triggers_of_a_lineage_queue_and_chain(worker):
+    lineage = f"sched-{uuid.uuid4().hex[:6]}"
+    params = sft_params(worker, lineage=lineage, total_steps=2, save_freq=2)
+    first = trigger(params)
+    time.sleep(1.5)  # run names carry the scheduled second: <lineage>-<UTC time>
+    second = trigger(params)
+    both_running = False
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        states = [read_flow_run(f.id).state for f in (first, second)]
+        both_running |= all(s.is_running() for s in states)
+        if all(s.is_final() for s in states):
+            break
+        time.sleep(1)
+    assert not both_running, "two runs of one lineage overlapped"
+    first, second = (read_flow_run(f.id) for f in (first, second))
+    assert first.state.is_completed() and second.state.is_completed(), (first.state, second.state)
+    assert first.name.startswith(f"{lineage}-") and second.name.startswith(f"{lineage}-")
+
+    record_one, record_two = (RunRecord.read(f"{worker['runs']}/{f.name}") for f in (first, second))
+    assert record_one.model_uri == worker["model"]
+    assert record_two.model_uri == f"models:/{lineage}/1" and record_two.parent_run_id == record_one.mlflow_run_id
+    assert read_result(f"{worker['runs']}/{second.name}")["data_cursor"]["position"] == 4  # batches 3 and 4
+    client = MlflowClient()
+    for flow_run, record in ((first, record_one), (second, record_two)):
+        run = client.get_run(record.mlflow_run_id)
+        assert run.info.run_name == flow_run.name and run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [1, 2]
+        assert run.data.tags["prefect.flow_run_id"] == str(flow_run.id)
+
+
+def _flow_run_process(flow_run_id) -> psutil.Process | None:
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id) and \
+                    "prefect.engine" in " ".join(process.cmdline()):
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return None
+
+
+def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
+    uid = uuid.uuid4().hex[:6]
+    steps = {"total_steps": 40, "save_freq": 10, "log_model": False}
+    clean = trigger(sft_params(worker, run_name=f"clean-{uid}", **steps))
+    killed = trigger(sft_params(worker, run_name=f"killed-{uid}", **steps))
+    assert wait_final(clean.id, worker).state.is_completed()
+
+    manifest = Path(worker["runs"]) / f"killed-{uid}" / "checkpoints" / "step_10" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not manifest.exists():
+        assert time.monotonic() < deadline, "the run never wrote its step-10 checkpoint"
+        time.sleep(0.2)
+    engine = _flow_run_process(killed.id)
+    assert engine is not None, "no flow-run process found"
+    attempt = [engine, *engine.children(recursive=True)]
+    ray_session = next((p for p in attempt if "raylet" in p.name()), None)
+    assert ray_session is not None, "the attempt's local Ray should run under its process"
+    engine.send_signal(signal.SIGKILL)
+
+    final = wait_final(killed.id, worker, timeout_s=480)
+    assert final.state.is_completed(), final.state
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        history = [s.type.value for s in sorted(client.read_flow_run_states(killed.id), key=lambda s: s.timestamp)]
+    assert "CRASHED" in history and history.index("SCHEDULED", history.index("CRASHED")) > 0, history
+    assert history[-1] == "COMPLETED"
+    # The new attempt resumed from a checkpoint: the MLflow run is the same, steps before it were not redone.
+    record = RunRecord.read(f"{worker['runs']}/killed-{uid}")
+    client = MlflowClient()
+    run = client.get_run(record.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    losses = client.get_metric_history(run.info.run_id, "sft/loss")
+    assert sorted({m.step for m in losses}) == list(range(1, 41))
+    assert sum(1 for m in losses if m.step <= 10) == 10, "steps up to the checkpoint ran once"
+    clean_weights = load_file(f"{worker['runs']}/clean-{uid}/final_model/model.safetensors")
+    killed_weights = load_file(f"{worker['runs']}/killed-{uid}/final_model/model.safetensors")
+    assert all(torch.equal(clean_weights[k], killed_weights[k]) for k in clean_weights)
+    survivors = [p for p in attempt if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not survivors, [(p.pid, p.name(), json.dumps(p.cmdline()[:3])) for p in survivors]
