@@ -36,6 +36,7 @@ def env(ray_cluster, services, tmp_path_factory):
 def lineage_config(env, lineage: str, reward: str, *extra: str):
     return load_config("demo-sft", [
         f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.lineage={lineage}",
+        "trainer.run_name=null",  # the preset names a run; a lineage names each run itself
         "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0", "data.train_batch_size=16",
         "data.val_batch_size=8", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
         "trainer.log_samples=0", f"reward.reward_fn={env['rewards'] / reward}.py:score", *extra])
