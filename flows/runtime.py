@@ -298,6 +298,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
 
     require_prefect_api()
     require_mlflow_tracking()
+    reap_orphaned_ray_agents()
     config = config.model_copy(update={"trainer": config.trainer.model_copy(
         update={"run_name": lineage.run_name(config, algorithm)})})
     name = config.trainer.run_name
@@ -406,6 +407,31 @@ def _restore(run: Run, path: str, state: dict) -> None:
     run.loader.load_state_dict(state["loader"])
     run.kl_ctrl_state = state["kl_ctrl_state"]
     run.start_step = state["step"] + 1
+
+
+def reap_orphaned_ray_agents() -> list[int]:
+    """Kill ``ray::`` processes (Ray's per-node agents and workers) whose raylet is gone.
+
+    Every such process is started by a raylet and stays its child. When a flow process that started a local Ray
+    dies by SIGKILL, its raylet and GCS exit with it, but Ray's two agents (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``) can outlive them indefinitely. Every attempt starts by ending those orphans (this
+    user's only), so the new attempt of a crashed run leaves nothing of the dead one behind."""
+    import psutil
+
+    reaped = []
+    for process in psutil.process_iter(["name", "uids"]):
+        try:
+            if not (process.info["name"] or "").startswith("ray::") or process.info["uids"].real != os.getuid():
+                continue
+            parent = process.parent()
+            if parent is None or "raylet" not in parent.name():
+                process.kill()
+                reaped.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    if reaped:
+        logger.warning("ended %d Ray agent process(es) left by a dead local Ray: %s", len(reaped), reaped)
+    return reaped
 
 
 def _summary(metrics: dict) -> str:
