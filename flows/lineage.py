@@ -281,17 +281,20 @@ def champion_score(client, name: str, alias: str) -> tuple[float | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------- attempts
-def check_restart_budget(max_restarts: int) -> int:
-    """How often this flow run has crashed before; raises once that is more than ``max_restarts``."""
+def count_crashes(flow_run_id) -> int:
+    """How often a flow run has been Crashed (its state history on the Prefect server)."""
     from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return sum(1 for state in client.read_flow_run_states(flow_run_id) if state.type.value == "CRASHED")
+
+
+def check_restart_budget(max_restarts: int) -> int:
+    """How often this flow run crashed before this attempt; raises once that is more than ``max_restarts``."""
     from prefect.runtime import flow_run
 
     flow_run_id = flow_run.get_id()
-    if not flow_run_id:
-        return 0
-    with get_client(sync_client=True) as client:
-        states = client.read_flow_run_states(flow_run_id)
-    crashes = sum(1 for state in states if state.type.value == "CRASHED")
+    crashes = count_crashes(flow_run_id) if flow_run_id else 0
     if crashes > max_restarts:
         raise RestartBudgetExhausted(
             f"this flow run crashed {crashes} times; automatic restarts are capped at trainer.max_crash_restarts="

@@ -8,6 +8,9 @@ decided by the real registry logic on known numbers, not by the luck of a few tr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -86,6 +89,15 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env)
     assert "0.3 < champion v1 0.6" in v2.tags["rejected"]
     assert result_two["decision"].startswith("v2 rejected")
 
+    # `rlflow runs` shows the lineage, the parent and each version's fate.
+    listed = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "--lineage", lineage], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split("│")[1].strip(): line for line in listed.stdout.splitlines() if line.count("│") > 3}
+    line_two = rows[two.info.run_name]
+    assert lineage in line_two and one.info.run_name in line_two and "v2 rejected" in line_two  # parent: run one
+    assert "v1 promoted" in rows[one.info.run_name]
+
     # Running the complete first run again trains nothing, so it fails and says so; the run is left as it was.
     again = run_sft(lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}"))
     assert again.is_failed() and "already trained its 2 steps" in again.message
@@ -98,3 +110,23 @@ def test_missing_model_reference_fails_before_workers_start(env):
     assert state.is_failed()
     assert "no registered model 'no-such-model'" in state.message and "registered" in state.message
     assert not list(Path(env["runs"]).glob(f"{config.trainer.lineage}-*/run.json"))  # nothing was started
+
+
+def test_crashes_are_counted_from_the_flow_run_state_history(services):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Pending, Running
+
+    from flows.lineage import count_crashes
+
+    @flow(name="crash-count-probe")
+    def probe():
+        return 1
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(probe)
+        client.set_flow_run_state(flow_run.id, Pending(), force=True)
+        for _ in range(2):
+            client.set_flow_run_state(flow_run.id, Running(), force=True)
+            client.set_flow_run_state(flow_run.id, Crashed(message="killed"), force=True)
+    assert count_crashes(flow_run.id) == 2
