@@ -50,15 +50,19 @@ def run_sft(config):
     return state
 
 
-def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env):
+@pytest.fixture(scope="module")
+def lineage_runs(env):
+    """Two runs of one lineage: the first scores 0.6 in validation, the second 0.3."""
     lineage = f"lin-{uuid.uuid4().hex[:6]}"
+    states = [run_sft(lineage_config(env, lineage, reward)) for reward in ("good", "worse")]
+    for state in states:
+        assert state.is_completed(), state.message
+    return lineage, states
+
+
+def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env, lineage_runs):
+    lineage, _ = lineage_runs
     client = MlflowClient()
-
-    first = run_sft(lineage_config(env, lineage, "good"))
-    assert first.is_completed(), first.message
-    second = run_sft(lineage_config(env, lineage, "worse"))
-    assert second.is_completed(), second.message
-
     runs = client.search_runs([client.get_experiment_by_name(lineage).experiment_id],
                               order_by=["attributes.start_time ASC"])
     assert len(runs) == 2
@@ -130,3 +134,34 @@ def test_crashes_are_counted_from_the_flow_run_state_history(services):
             client.set_flow_run_state(flow_run.id, Running(), force=True)
             client.set_flow_run_state(flow_run.id, Crashed(message="killed"), force=True)
     assert count_crashes(flow_run.id) == 2
+
+
+def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_runs):
+    """What a person sees in the Prefect and MLflow UIs (headless Chromium; screenshots in test-output/)."""
+    from browser import Browser
+
+    lineage, states = lineage_runs
+    flow_run_id = states[0].state_details.flow_run_id
+    client = MlflowClient()
+    run = client.search_runs([client.get_experiment_by_name(lineage).experiment_id],
+                             order_by=["attributes.start_time ASC"])[0]
+    with Browser() as browser:
+        browser.open(f"{services['prefect_ui']}/runs/flow-run/{flow_run_id}", run.info.run_name)
+        browser.click("Task Runs")
+        text = browser.wait_for_text("sft_step-step-2")
+        for name in ("validate-step-0", "sft_step-step-1", "save_checkpoint-step-2"):
+            assert name in text
+        assert "Completed" in text
+        browser.screenshot("prefect-flow-run-task-runs")
+        browser.click("Artifacts")
+        text = browser.wait_for_text("-checkpoints")
+        assert f"{run.info.run_name.lower()}-checkpoints" in text and f"{run.info.run_name.lower()}-result" in text
+        browser.screenshot("prefect-flow-run-artifacts")
+
+        run_url = f"{services['mlflow_ui']}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        text = browser.open(f"{run_url}/model-metrics", "(sft/loss)", timeout_s=60)
+        assert "(val/score/mean)" in text
+        browser.screenshot("mlflow-run-metrics")
+        text = browser.open(f"{services['mlflow_ui']}/#/models/{lineage}", "Version 2", timeout_s=60)
+        assert "Version 1" in text and "champion" in text
+        browser.screenshot("mlflow-registered-model")
