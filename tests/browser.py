@@ -28,7 +28,7 @@ class Browser:
         path = shutil.which("chromium") or shutil.which("chromium-browser")
         if path is None:
             pytest.skip("headless Chromium is not installed: `apt-get install chromium` (Debian) runs the UI tests")
-        self.profile = tempfile.TemporaryDirectory()
+        self.profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)  # Chromium may still write
         self.process = subprocess.Popen(
             [path, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
