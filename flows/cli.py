@@ -103,8 +103,11 @@ def runs(limit: int = typer.Option(20, help="most recent runs to list"),
 
     use_running_services()
     client = MlflowClient()
-    table = Table("run", "algorithm", "lineage", "parent", "model", "status", "steps", "Prefect flow run",
-                  "MLflow run")
+    table = Table()
+    for column in ("run", "algorithm", "lineage", "parent", "model", "status", "steps"):
+        table.add_column(column, no_wrap=True)  # names stay whole; the links fold instead
+    for column in ("Prefect flow run", "MLflow run"):
+        table.add_column(column, overflow="fold")
     base = mlflow.get_tracking_uri().rstrip("/")
     found = client.search_runs(experiment_ids=[e.experiment_id for e in client.search_experiments()],
                                filter_string=f"tags.`rlflow.lineage` = '{lineage}'" if lineage else "",
