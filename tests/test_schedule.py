@@ -32,6 +32,27 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+class Worker:
+    """`rlflow worker` as a background process in its own session (so it can be killed with its children)."""
+
+    def __init__(self, env: dict, log: Path):
+        self.env, self.log = env, log
+        self.process = None
+
+    def start(self) -> None:
+        with open(self.log, "a") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=self.env, cwd=ROOT,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        os.killpg(self.process.pid, sig)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
 @pytest.fixture(scope="module")
 def worker(services, tmp_path_factory):
     home = tmp_path_factory.mktemp("schedule")
@@ -41,16 +62,11 @@ def worker(services, tmp_path_factory):
                               text=True, timeout=300)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     assert "rlflow: restart crashed runs" in deployed.stdout
-    log = open(home / "worker.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=env, cwd=ROOT, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    yield {"model": str(ensure_tiny_model(home / "tiny")), "runs": str(home / "runs"), "log": home / "worker.log"}
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-    log.close()
+    process = Worker(env, home / "worker.log")
+    process.start()
+    yield {"model": str(ensure_tiny_model(home / "tiny")), "runs": str(home / "runs"), "log": home / "worker.log",
+           "process": process}
+    process.stop()
 
 
 def sft_params(worker, **trainer):
@@ -168,3 +184,33 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     assert all(torch.equal(clean_weights[k], killed_weights[k]) for k in clean_weights)
     survivors = [p for p in attempt if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, [(p.pid, p.name(), json.dumps(p.cmdline()[:3])) for p in survivors]
+
+
+def test_run_lost_with_its_worker_is_marked_crashed_restarted_and_capped(worker):
+    """The worker and the flow run die together (a machine going away): only the heartbeats can tell. With
+    trainer.max_crash_restarts=0 the restarted attempt must end Failed, saying why, instead of training."""
+    uid = uuid.uuid4().hex[:6]
+    lost = trigger(sft_params(worker, run_name=f"lost-{uid}", total_steps=400, save_freq=100,
+                              max_crash_restarts=0, log_model=False))
+    manifest = Path(worker["runs"]) / f"lost-{uid}" / "checkpoints" / "step_100" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not manifest.exists():
+        assert time.monotonic() < deadline, "the run never wrote its step-100 checkpoint"
+        time.sleep(0.5)
+    engine = _flow_run_process(lost.id)
+    worker["process"].stop(signal.SIGKILL)  # the worker's session: the worker and the flow-run process
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+    deadline = time.monotonic() + 300
+    while read_flow_run(lost.id).state.type.value not in ("SCHEDULED", "FAILED", "COMPLETED"):
+        assert time.monotonic() < deadline, f"still {read_flow_run(lost.id).state} after 300 s"
+        time.sleep(3)
+    assert read_flow_run(lost.id).state.name == "Restarting"
+    worker["process"].start()  # the machine is back
+    final = wait_final(lost.id, worker, timeout_s=300)
+    assert final.state.is_failed()
+    assert "capped at trainer.max_crash_restarts=0" in final.state.message
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        crashed = [s for s in client.read_flow_run_states(lost.id) if s.type.value == "CRASHED"]
+    assert len(crashed) == 1 and "no heartbeat" in crashed[0].message
