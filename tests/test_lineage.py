@@ -105,7 +105,19 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
     # Running the complete first run again trains nothing, so it fails and says so; the run is left as it was.
     again = run_sft(lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}"))
     assert again.is_failed() and "already trained its 2 steps" in again.message
-    assert len(client.search_model_versions(f"name = '{lineage}'")) == 2
+    overrides = [f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.lineage={lineage}",
+                 f"trainer.run_name={one.info.run_name}", "trainer.total_steps=2", "data.train_batch_size=16",
+                 "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8"]
+    cli = subprocess.run([sys.executable, "-m", "flows.cli", "train", "sft", "--config", "demo-sft", *overrides],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "400"})
+    assert cli.returncode == 1 and "already trained its 2 steps" in cli.stdout, cli.stdout[-2000:]
+    assert len(client.search_model_versions(f"name = '{lineage}'")) == 2  # nothing was published again
+    # ... unless asked to: the same run publishes again as a new version, without training.
+    republished = run_sft(lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}",
+                                         "trainer.republish=true"))
+    assert republished.is_completed(), republished.message
+    assert [m.step for m in client.get_metric_history(one.info.run_id, "sft/loss")] == [1, 2]
+    assert read_result(f"{env['runs']}/{one.info.run_name}")["model_version"] == "3"
 
 
 def test_missing_model_reference_fails_before_workers_start(env):

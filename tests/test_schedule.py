@@ -133,6 +133,14 @@ def test_two_triggers_of_a_lineage_queue_and_chain(worker):
         assert run.data.tags["prefect.flow_run_id"] == str(flow_run.id)
 
 
+def wait_for_checkpoint(worker, run_name: str, step: int, timeout_s: float = 300) -> None:
+    manifest = Path(worker["runs"]) / run_name / "checkpoints" / f"step_{step}" / "manifest.json"
+    deadline = time.monotonic() + timeout_s
+    while not manifest.exists():
+        assert time.monotonic() < deadline, f"{run_name} never wrote its step-{step} checkpoint"
+        time.sleep(0.2)
+
+
 def _flow_run_process(flow_run_id) -> psutil.Process | None:
     for process in psutil.process_iter(["pid"]):
         try:
@@ -151,11 +159,7 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     killed = trigger(sft_params(worker, run_name=f"killed-{uid}", **steps))
     assert wait_final(clean.id, worker).state.is_completed()
 
-    manifest = Path(worker["runs"]) / f"killed-{uid}" / "checkpoints" / "step_10" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not manifest.exists():
-        assert time.monotonic() < deadline, "the run never wrote its step-10 checkpoint"
-        time.sleep(0.2)
+    wait_for_checkpoint(worker, f"killed-{uid}", 10)
     engine = _flow_run_process(killed.id)
     assert engine is not None, "no flow-run process found"
     attempt = [engine, *engine.children(recursive=True)]
@@ -192,11 +196,7 @@ def test_run_lost_with_its_worker_is_marked_crashed_restarted_and_capped(worker)
     uid = uuid.uuid4().hex[:6]
     lost = trigger(sft_params(worker, run_name=f"lost-{uid}", total_steps=400, save_freq=100,
                               max_crash_restarts=0, log_model=False))
-    manifest = Path(worker["runs"]) / f"lost-{uid}" / "checkpoints" / "step_100" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not manifest.exists():
-        assert time.monotonic() < deadline, "the run never wrote its step-100 checkpoint"
-        time.sleep(0.5)
+    wait_for_checkpoint(worker, f"lost-{uid}", 100)
     engine = _flow_run_process(lost.id)
     worker["process"].stop(signal.SIGKILL)  # the worker's session: the worker and the flow-run process
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
