@@ -171,8 +171,8 @@ def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_r
         browser.screenshot("prefect-flow-run-artifacts")
 
         run_url = f"{services['mlflow_ui']}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-        text = browser.open(f"{run_url}/model-metrics", "(sft/loss)", timeout_s=60)
-        assert "(val/score/mean)" in text
+        browser.open(f"{run_url}/model-metrics", "(sft/loss)", timeout_s=60)
+        browser.wait_for_text("(val/score/mean)", timeout_s=60)  # sections render one after the other
         browser.screenshot("mlflow-run-metrics")
         text = browser.open(f"{services['mlflow_ui']}/#/models/{lineage}", "Version 2", timeout_s=60)
         assert "Version 1" in text and "champion" in text
