@@ -24,6 +24,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from flows.lineage import RESTART_STATE_NAME
+
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_DIR / "deployments" / "prefect.yaml"
 POOL = "rlflow"
@@ -61,7 +63,7 @@ def automations() -> list:
                 match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=ours,
                 expect={"prefect.flow-run.Crashed"}, for_each={"prefect.resource.id"}, posture=Posture.Reactive,
                 threshold=1, within=timedelta(0)),
-            actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="Restarting",
+            actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name=RESTART_STATE_NAME,
                                         message="rlflow: automatic restart after a crash; resumes from the newest "
                                                 "checkpoint")],
         ),

@@ -33,6 +33,7 @@ from rlworkers.checkpoint import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
+RESTART_STATE_NAME = "Restarting"  # the Scheduled state the restart automation sets (flows/deploy.py)
 RECORD_FILE = "run.json"
 RESULT_FILE = "result.json"
 
@@ -282,11 +283,19 @@ def champion_score(client, name: str, alias: str) -> tuple[float | None, str]:
 
 # ---------------------------------------------------------------------------------------------- attempts
 def count_crashes(flow_run_id) -> int:
-    """How often a flow run has been Crashed (its state history on the Prefect server)."""
+    """How often a flow run crashed since a person or a schedule last started it: CRASHED states after its last
+    SCHEDULED state that was not an automatic restart (named "Restarting", see flows/deploy.py)."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        return sum(1 for state in client.read_flow_run_states(flow_run_id) if state.type.value == "CRASHED")
+        states = sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)
+    crashes = 0
+    for state in states:
+        if state.type.value == "SCHEDULED" and state.name != RESTART_STATE_NAME:
+            crashes = 0
+        elif state.type.value == "CRASHED":
+            crashes += 1
+    return crashes
 
 
 def check_restart_budget(max_restarts: int) -> int:
@@ -298,8 +307,8 @@ def check_restart_budget(max_restarts: int) -> int:
     if crashes > max_restarts:
         raise RestartBudgetExhausted(
             f"this flow run crashed {crashes} times; automatic restarts are capped at trainer.max_crash_restarts="
-            f"{max_restarts}. Find the cause in the logs of the crashed attempts, then start it again from the "
-            "Prefect UI (Retry) or with a new flow run: it resumes from its newest checkpoint.")
+            f"{max_restarts}. Find the cause in the logs of the crashed attempts, then start it again (Retry in the "
+            "Prefect UI gives it a new restart budget): it resumes from its newest checkpoint.")
     return crashes
 
 

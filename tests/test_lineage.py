@@ -131,7 +131,7 @@ def test_missing_model_reference_fails_before_workers_start(env):
 def test_crashes_are_counted_from_the_flow_run_state_history(services):
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.states import Crashed, Pending, Running
+    from prefect.states import Crashed, Pending, Running, Scheduled
 
     from flows.lineage import count_crashes
 
@@ -139,13 +139,21 @@ def test_crashes_are_counted_from_the_flow_run_state_history(services):
     def probe():
         return 1
 
+    def crash(client, flow_run_id, times: int, restart_name: str) -> None:
+        for _ in range(times):
+            client.set_flow_run_state(flow_run_id, Running(), force=True)
+            client.set_flow_run_state(flow_run_id, Crashed(message="killed"), force=True)
+            client.set_flow_run_state(flow_run_id, Scheduled(name=restart_name), force=True)
+
     with get_client(sync_client=True) as client:
         flow_run = client.create_flow_run(probe)
         client.set_flow_run_state(flow_run.id, Pending(), force=True)
-        for _ in range(2):
-            client.set_flow_run_state(flow_run.id, Running(), force=True)
-            client.set_flow_run_state(flow_run.id, Crashed(message="killed"), force=True)
-    assert count_crashes(flow_run.id) == 2
+        crash(client, flow_run.id, 2, "Restarting")  # two automatic restarts
+        assert count_crashes(flow_run.id) == 2
+        client.set_flow_run_state(flow_run.id, Scheduled(name="AwaitingRetry"), force=True)  # a person's Retry
+        assert count_crashes(flow_run.id) == 0
+        crash(client, flow_run.id, 1, "Restarting")
+        assert count_crashes(flow_run.id) == 1
 
 
 def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_runs):
