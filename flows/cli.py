@@ -118,8 +118,8 @@ def runs(limit: int = typer.Option(20, help="most recent runs to list"),
         steps = max((h.step for h in client.get_metric_history(run.info.run_id, "timing_s/step")), default=0)
         parent = tags.get("rlflow.parent_run_id", "")
         model = f"v{tags['rlflow.model_version']}" if "rlflow.model_version" in tags else ""
-        if "rlflow.promotion" in tags:
-            model += " promoted" if "promoted" in tags["rlflow.promotion"].split(":")[0] else " rejected"
+        if "rlflow.promoted" in tags:
+            model += " promoted" if tags["rlflow.promoted"] == "true" else " rejected"
         table.add_row(tags.get("rlflow.run_name", run.info.run_name), tags.get("algorithm", ""),
                       tags.get("rlflow.lineage", ""), names.get(parent, parent), model, run.info.status, str(steps),
                       tags.get("prefect.flow_run_url", ""),

@@ -238,7 +238,8 @@ class Run:
         decision = lineage.promote(client, name, version, trainer.promotion_alias, score, baseline,
                                    trainer.promotion_tolerance, label)
         verdict = f"promoted to @{trainer.promotion_alias}" if decision["promoted"] else "rejected"
-        self.tracker.set_tags({"rlflow.promotion": f"v{version} {verdict}: {decision['reason']}"})
+        self.tracker.set_tags({"rlflow.promotion": f"v{version} {verdict}: {decision['reason']}",
+                               "rlflow.promoted": str(decision["promoted"]).lower()})
         get_run_logger().info("%s v%s %s: %s", name, version, verdict, decision["reason"])
         return f"v{version} {verdict}: {decision['reason']}"
 
