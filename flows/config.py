@@ -98,13 +98,18 @@ class TrainerConfig(_Frozen):
     log_samples: int = Field(8, ge=0, description="sample generations logged per validation")
     log_model: bool = Field(True, description="log the final model to MLflow")
     register_model_name: str | None = Field(None, description="also register the final model under this name")
-    fault_injection: str | None = Field(None, description="test hook: '<stage>@<step>' fails that stage once")
+    max_restarts: int = Field(3, ge=0, description="worker faults (a worker died or hung) a run recovers from "
+                              "by restoring its newest checkpoint; one more ends it Failed")
+    stage_timeout_s: float = Field(600.0, gt=0, description="time limit of every worker-group call ...")
+    stage_timeout_s_per_sample: float = Field(0.5, ge=0, description="... plus this per row of its batch")
+    collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed timeout: a dead peer ends a "
+                                        "collective with an error after this long instead of hanging")
+    capacity_timeout_s: float = Field(600.0, ge=0, description="how long a restart waits for room to place "
+                                      "workers again (a lost node coming back) before the run fails")
     seed: int = 0
 
     @model_validator(mode="after")
     def _check(self):
-        if self.fault_injection and not re.fullmatch(r"[a-z_]+@\d+", self.fault_injection):
-            raise ValueError("trainer.fault_injection must look like 'update_actor@3'")
         for name in ("run_name", "lineage"):
             value = getattr(self, name)
             if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
@@ -154,7 +159,7 @@ class RLConfig(_Frozen):
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(model=self.model, actor=self.actor, rollout=self.rollout, device=self.trainer.device,
-                            seed=self.trainer.seed)
+                            seed=self.trainer.seed, collective_timeout_s=self.trainer.collective_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------ loading

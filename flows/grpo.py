@@ -22,24 +22,21 @@ from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_pr
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_actor"]]
 
 
-@flow(name="grpo", task_runner=default_task_runner(), retries=1, persist_result=False,
+@flow(name="grpo", task_runner=default_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
-    algorithm, fault = config.algorithm.model_dump(), config.trainer.fault_injection
+    algorithm = config.algorithm.model_dump()
     with run.training():
         for step in run.steps:
-            metrics = {}
-            with run.step_timer(metrics):
-                prompts = run.next_prompts()
-                gen = generate_sequences.submit(actor, prompts, step)                                   # 1
+            with run.step(step, CRITICAL_PATH) as metrics:
+                gen = generate_sequences.submit(actor, run.next_prompts(), step)                        # 1
                 scores = compute_reward.submit(reward, gen, step)                                       # 2
                 old = compute_log_prob.submit(actor, gen, step)
                 ref_lp = compute_ref_log_prob.submit(ref, gen, step)
                 batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
-                result = update_actor.submit(actor, batch, fault, step, run.root).result()              # 4
-            metrics.update(result["metrics"])
-            run.kl_ctrl_state = result["kl_ctrl_state"]
-            run.end_step(step, metrics, CRITICAL_PATH)
+                result = update_actor.submit(actor, batch, step).result()                               # 4
+                metrics.update(result["metrics"])
+                run.kl_ctrl_state = result["kl_ctrl_state"]
     return run.last_metrics

@@ -47,7 +47,7 @@ def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: 
     return pairs
 
 
-@flow(name="online_dpo", task_runner=default_task_runner(), retries=1, persist_result=False,
+@flow(name="online_dpo", task_runner=default_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def online_dpo(config: RLConfig) -> dict:
     if config.rollout.n < 2:
@@ -56,13 +56,10 @@ def online_dpo(config: RLConfig) -> dict:
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
     with run.training():
         for step in run.steps:
-            metrics = {}
-            with run.step_timer(metrics):
+            with run.step(step, CRITICAL_PATH) as metrics:
                 gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
                 parts = [compute_reward.submit(reward, gen, step), compute_ref_log_prob.submit(ref, gen, step)]  # 2
                 pairs = make_preference_pairs.submit(gen, parts, config.trainer.n_workers,          # 3
                                                      config.algorithm.dpo_beta, step)
-                metrics.update(update_actor_dpo.submit(actor, pairs, config.trainer.fault_injection, step,  # 4
-                                                       run.root).result())
-            run.end_step(step, metrics, CRITICAL_PATH)
+                metrics.update(update_actor_dpo.submit(actor, pairs, step).result())                # 4
     return run.last_metrics

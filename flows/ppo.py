@@ -22,7 +22,7 @@ from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_pr
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], ["update_actor", "update_critic"]]
 
 
-@flow(name="ppo", task_runner=default_task_runner(), retries=1, persist_result=False,
+@flow(name="ppo", task_runner=default_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def ppo(config: RLConfig) -> dict:
     if config.algorithm.adv_estimator != "gae":
@@ -33,16 +33,14 @@ def ppo(config: RLConfig) -> dict:
     algorithm = config.algorithm.model_dump()
     with run.training():
         for step in run.steps:
-            metrics = {}
-            with run.step_timer(metrics):
+            with run.step(step, CRITICAL_PATH) as metrics:
                 gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
                 parts = [compute_reward.submit(reward, gen, step), compute_log_prob.submit(actor, gen, step),  # 2
                          compute_ref_log_prob.submit(ref, gen, step), compute_values.submit(critic, gen, step)]
                 batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state, step)    # 3
                 critic_result = update_critic.submit(critic, batch, step)                           # 4
-                result = update_actor.submit(actor, batch, config.trainer.fault_injection, step, run.root).result()
+                result = update_actor.submit(actor, batch, step).result()
                 metrics.update(critic_result.result())
-            metrics.update(result["metrics"])
-            run.kl_ctrl_state = result["kl_ctrl_state"]
-            run.end_step(step, metrics, CRITICAL_PATH)
+                metrics.update(result["metrics"])
+                run.kl_ctrl_state = result["kl_ctrl_state"]
     return run.last_metrics

@@ -12,21 +12,24 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 from prefect import get_run_logger, task
+from prefect.exceptions import UnfinishedRun
 
 from flows import lineage
 from flows.config import RLConfig, flatten, runs_root
 from flows.stages import IDEMPOTENT, validate
-from flows.tracking import ProgressArtifact, Tracker, artifact_key, prefect_flow_run_links, \
+from flows.tracking import ProgressArtifact, Tracker, artifact_key, failed_stages, prefect_flow_run_links, \
     publish_checkpoint_artifact, publish_mlflow_link
-from rlworkers.checkpoint import apply_retention, begin_checkpoint, commit_checkpoint, read_json, resolve_resume, \
-    write_json
+from rlworkers.checkpoint import apply_retention, begin_checkpoint, commit_checkpoint, find_latest_checkpoint, \
+    read_json, resolve_resume, write_json
 from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
 from rlworkers.models.loading import load_tokenizer, resolve_model_path
+from rlworkers.single_controller import PlacementError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 from rlworkers.workers.critic import CriticWorker
@@ -35,9 +38,30 @@ from rlworkers.workers.reward import RewardWorker
 logger = logging.getLogger(__name__)
 
 
-def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, **init_kwargs) -> RayWorkerGroup:
+STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
+
+
+class FaultBudgetExhausted(RuntimeError):
+    """More worker faults than ``trainer.max_restarts``; ``faults`` lists each one."""
+
+    def __init__(self, message: str, faults: list[str]):
+        self.faults = faults
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.faults)
+
+
+class StepFailed(RuntimeError):
+    """A step failed with every worker alive (a bug or bad data, which a restart would repeat)."""
+
+
+def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, timeout: tuple[float, float] | None = None,
+                **init_kwargs) -> RayWorkerGroup:
     pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=cls, **init_kwargs))
+    if timeout:
+        group.set_call_timeout(*timeout)
     group.init_model()
     return group
 
@@ -77,14 +101,21 @@ class Run:
     last_metrics: dict = field(default_factory=dict)
     record: lineage.RunRecord | None = None
     val_scores: dict[int, float] = field(default_factory=dict)
+    next_step: int = 1
+    start_state: dict = field(default_factory=dict)  # where a fault before the first checkpoint rewinds to
+    faults: list[str] = field(default_factory=list)
 
     @property
     def checkpoint_root(self) -> str:
         return f"{self.root}/checkpoints"
 
     @property
-    def steps(self) -> range:
-        return range(self.start_step, self.config.trainer.total_steps + 1)
+    def steps(self) -> Iterator[int]:
+        """The steps left to train; recovery from a fault rewinds them to the restored checkpoint."""
+        self.next_step = self.start_step
+        while self.next_step <= self.config.trainer.total_steps:
+            step, self.next_step = self.next_step, self.next_step + 1
+            yield step
 
     # ------------------------------------------------------------------------------------------ batches
     def next_rows(self) -> list[dict]:
@@ -107,10 +138,18 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ per step
     @contextmanager
-    def step_timer(self, metrics: dict):
+    def step(self, step: int, critical_path: list[list[str]]) -> Iterator[dict]:
+        """One training step: the body fills the yielded metrics; then they are logged, and validation and the
+        checkpoint run when due. If the step fails because a worker died or hung, the run restores its newest
+        checkpoint and ``steps`` rewinds to redo what it lost (see ``recover``)."""
+        metrics: dict = {}
         start = time.perf_counter()
-        yield
-        metrics["timing_s/step"] = time.perf_counter() - start
+        try:
+            yield metrics
+            metrics["timing_s/step"] = time.perf_counter() - start
+            self.end_step(step, metrics, critical_path)
+        except Exception as error:
+            self.recover(step, error)
 
     def log_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
         """Log a step's metrics with throughput and the controller's share of the step time.
@@ -146,8 +185,11 @@ class Run:
         workers and close the MLflow run (FAILED on an exception, which then reaches Prefect for its retry)."""
         status = "FAILED"
         try:
-            if self.start_step == 1:
-                self.validate(step=0)
+            while self.start_step == 1 and 0 not in self.val_scores:
+                try:
+                    self.validate(step=0)
+                except Exception as error:
+                    self.recover(0, error)
             yield
             self.publish()
             status = "FINISHED"
@@ -242,6 +284,62 @@ class Run:
                                "rlflow.promoted": str(decision["promoted"]).lower()})
         get_run_logger().info("%s v%s %s: %s", name, version, verdict, decision["reason"])
         return f"v{version} {verdict}: {decision['reason']}"
+
+    # ------------------------------------------------------------------------------------------ faults
+    def recover(self, step: int, error: Exception) -> None:
+        """After a failed step: replace the workers that died or hung, restore every stateful group from the
+        newest valid checkpoint (or the start) and rewind ``steps``, at most ``trainer.max_restarts`` times.
+
+        Raises the step's error when every worker is alive (a restart would repeat it), and
+        ``FaultBudgetExhausted`` past the budget."""
+        started = time.perf_counter()
+        lost = {name: ranks for name, group in self.groups.items() if (ranks := group.unresponsive_ranks())}
+        failures = failed_stages(step) or [f"{type(error).__name__}: {error}"]
+        if not lost:
+            if isinstance(error, UnfinishedRun):  # a stage before this one failed: say which, and why
+                raise StepFailed(f"step {step} failed with every worker alive: " + "; ".join(failures)) from error
+            raise error
+        where = ", ".join(f"{name} rank(s) {ranks}" for name, ranks in lost.items())
+        self.faults.append(f"step {step}: {where} lost; " + "; ".join(failures))
+        budget = self.config.trainer.max_restarts
+        if len(self.faults) > budget:
+            listed = "\n".join(f"  {i}. {fault}" for i, fault in enumerate(self.faults, 1))
+            raise FaultBudgetExhausted(f"run {self.config.trainer.run_name!r} hit {len(self.faults)} worker "
+                                       f"faults, more than trainer.max_restarts={budget}:\n{listed}",
+                                       self.faults) from error
+        log = get_run_logger()
+        log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(self.faults), budget)
+        checkpoint = find_latest_checkpoint(self.checkpoint_root, required=["trainer_state.json"])
+        rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(self.groups))
+        for name in sorted(rebuild):
+            self._restart_group(name)
+        if checkpoint:
+            _restore(self, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
+        else:
+            self.loader.load_state_dict(self.start_state["loader"])
+            self.kl_ctrl_state, self.start_step = self.start_state["kl_ctrl_state"], 1
+        self.next_step = self.start_step
+        seconds = time.perf_counter() - started
+        self.tracker.log_metrics({"fault/restarts": len(self.faults), "fault/recovery_s": seconds}, step)
+        if self.progress:
+            self.progress.update(self.start_step - 1, restarts=len(self.faults))
+        log.warning("recovered in %.1f s: rebuilt %s, resuming at step %d from %s", seconds, sorted(rebuild),
+                    self.start_step, checkpoint[0] if checkpoint else "the start model")
+
+    def _restart_group(self, name: str) -> None:
+        """New actors for one group, waiting up to ``trainer.capacity_timeout_s`` for room (a lost node)."""
+        group = self.groups[name]
+        deadline = time.monotonic() + self.config.trainer.capacity_timeout_s
+        while True:
+            try:
+                group.restart()
+                break
+            except PlacementError as error:
+                if time.monotonic() > deadline:
+                    raise
+                get_run_logger().warning("waiting for capacity to restart %s (up to trainer.capacity_timeout_s="
+                                         "%.0f s): %s", name, self.config.trainer.capacity_timeout_s, error)
+        group.init_model()
 
     def close(self, status: str) -> None:
         if self.terminal:
@@ -342,6 +440,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     if record.data_cursor and not resume:
         get_run_logger().info("lineage %s: %s", config.trainer.lineage,
                               lineage.continue_data_cursor(loader, record.data_cursor))
+    run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
     run.groups = _build_groups(config, roles, record.model_dir)
     if resume:
         _restore(run, resume[0], state)
@@ -383,26 +482,29 @@ def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict,
 
 
 def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup]:
-    use_gpu = config.trainer.device == "cuda"
+    trainer = config.trainer
+    use_gpu, timeout = trainer.device == "cuda", (trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample)
     model = config.model.model_copy(update={"path": model_path})  # resolved once: "tiny" -> its folder
     worker_config = config.worker_config().model_copy(update={"model": model})
     groups = {}
     if "actor" in roles:
-        groups["actor"] = build_group(ActorRolloutRefWorker, config.trainer.n_workers, use_gpu=use_gpu,
+        groups["actor"] = build_group(ActorRolloutRefWorker, trainer.n_workers, use_gpu=use_gpu, timeout=timeout,
                                       config=worker_config, role="actor_rollout")
     if "ref" in roles:
-        groups["ref"] = build_group(ActorRolloutRefWorker, 1, use_gpu=use_gpu, config=worker_config, role="ref")
+        groups["ref"] = build_group(ActorRolloutRefWorker, 1, use_gpu=use_gpu, timeout=timeout, config=worker_config,
+                                    role="ref")
     if "critic" in roles:
-        groups["critic"] = build_group(CriticWorker, config.trainer.n_workers, use_gpu=use_gpu, config=config.critic,
-                                       model=model, device=config.trainer.device, seed=config.trainer.seed)
+        groups["critic"] = build_group(CriticWorker, trainer.n_workers, use_gpu=use_gpu, timeout=timeout,
+                                       config=config.critic, model=model, device=trainer.device, seed=trainer.seed,
+                                       collective_timeout_s=trainer.collective_timeout_s)
     if "reward" in roles:
-        groups["reward"] = build_group(RewardWorker, 1, use_gpu=False, cpus_per_worker=0.5, config=config.reward,
-                                       tokenizer_path=model_path)
+        groups["reward"] = build_group(RewardWorker, 1, use_gpu=False, cpus_per_worker=0.5, timeout=timeout,
+                                       config=config.reward, tokenizer_path=model_path)
     return groups
 
 
 def _restore(run: Run, path: str, state: dict) -> None:
-    for role in ("actor", "critic", "reward"):
+    for role in STATEFUL_ROLES:
         if role in run.groups:
             run.groups[role].load_checkpoint(f"{path}/{role}")
     run.loader.load_state_dict(state["loader"])

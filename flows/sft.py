@@ -15,16 +15,13 @@ from flows.runtime import default_task_runner, start_run
 from flows.stages import sft_step
 
 
-@flow(name="sft", task_runner=default_task_runner(), retries=1, persist_result=False,
+@flow(name="sft", task_runner=default_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def sft(config: RLConfig) -> dict:
     run = start_run(config, "sft", roles=("actor", "reward"))
     actor = run.groups["actor"]
     with run.training():
         for step in run.steps:
-            metrics = {}
-            with run.step_timer(metrics):
-                metrics.update(sft_step.submit(actor, run.next_sft_batch(), config.trainer.fault_injection, step,
-                                               run.root).result())
-            run.end_step(step, metrics, [["sft_step"]])
+            with run.step(step, [["sft_step"]]) as metrics:
+                metrics.update(sft_step.submit(actor, run.next_sft_batch(), step).result())
     return run.last_metrics

@@ -8,17 +8,16 @@ the flow adds them up into the step's metrics.
 
 Retry policy, per stage:
 - pure or idempotent stages (reward, log-probs, values, advantages, validation, checkpoint) retry in place, twice,
-  unless the failure is a dead worker (retrying a call on a dead actor cannot succeed);
-- stages that change state (generate consumes RNG; updates change weights) do not retry in place: a failure ends
-  the flow attempt, and the flow's own retry resumes from the last checkpoint.
+  unless a worker died or hung (retrying a call on a dead actor cannot succeed);
+- stages that change state (generate consumes RNG; updates change weights) do not retry in place.
+A step that fails because a worker died or hung is redone by the flow's loop: ``Run.recover`` replaces the lost
+workers and restores the newest checkpoint (``trainer.max_restarts`` times at most).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -30,11 +29,12 @@ from rlworkers.single_controller import WorkerError
 
 
 def _worker_alive(task, task_run, state) -> bool:
-    """Retry unless the failure was a dead worker process."""
+    """Retry in place unless a worker died or hung: a call on a dead actor cannot succeed, and recovery (a
+    restart from the last checkpoint, see ``Run.recover``) is what follows."""
     try:
         state.result()
     except WorkerError as error:
-        return not isinstance(error.cause, ray.exceptions.RayActorError)
+        return not error.actor_died
     except Exception:
         return True
     return True
@@ -43,22 +43,6 @@ def _worker_alive(task, task_run, state) -> bool:
 STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 IDEMPOTENT = {**STAGE, "retries": 2, "retry_delay_seconds": 1, "retry_condition_fn": _worker_alive}
 STATEFUL = {**STAGE, "retries": 0}
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the test-only fault hook (``trainer.fault_injection='<stage>@<step>'``)."""
-
-
-def maybe_inject_fault(fault: str | None, stage: str, step: int, marker_dir: str) -> None:
-    """Fail ``stage`` at ``step`` once per run (a marker file remembers that it fired)."""
-    if fault != f"{stage}@{step}":
-        return
-    marker = Path(marker_dir) / f".fault-{stage}-{step}"
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    raise InjectedFault(f"injected fault in {stage} at step {step} (trainer.fault_injection={fault!r})")
 
 
 def _timed(out: DataProto, name: str, start: float) -> DataProto:
@@ -121,9 +105,8 @@ def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
 
 
 @task(name="update_actor", task_run_name="update_actor-step-{step}", **STATEFUL)
-def update_actor(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
+def update_actor(actor, batch: DataProto, step: int) -> dict:
     """PPO/GRPO policy update. Returns the step's metrics: update, data and every stage's timing."""
-    maybe_inject_fault(fault, "update_actor", step, marker_dir)
     start = time.perf_counter()
     out = actor.update_actor(batch)
     return {"metrics": {**_mean_metrics(out), "timing_s/update_actor": time.perf_counter() - start,
@@ -139,17 +122,15 @@ def update_critic(critic, batch: DataProto, step: int) -> dict:
 
 
 @task(name="sft_step", task_run_name="sft_step-step-{step}", **STATEFUL)
-def sft_step(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
-    maybe_inject_fault(fault, "sft_step", step, marker_dir)
+def sft_step(actor, batch: DataProto, step: int) -> dict:
     start = time.perf_counter()
     out = actor.sft_step(batch)
     return {**_mean_metrics(out), "timing_s/sft_step": time.perf_counter() - start}
 
 
 @task(name="update_actor_dpo", task_run_name="update_actor_dpo-step-{step}", **STATEFUL)
-def update_actor_dpo(actor, batch: DataProto, fault: str | None, step: int, marker_dir: str) -> dict:
+def update_actor_dpo(actor, batch: DataProto, step: int) -> dict:
     """DPO update on (chosen, rejected) row pairs; a step without pairs changes nothing."""
-    maybe_inject_fault(fault, "update_actor_dpo", step, marker_dir)
     start = time.perf_counter()
     metrics = _mean_metrics(actor.update_actor_dpo(batch)) if len(batch) else {}
     return {**metrics, **batch.meta_info.get("data_metrics", {}), **_timings(batch),

@@ -136,19 +136,49 @@ def publish_mlflow_link(run_name: str, url: str) -> None:
 
 
 class ProgressArtifact:
-    """A Prefect progress artifact for the run, updated every step."""
+    """A Prefect progress artifact for the run, updated every step; its description counts the restarts."""
 
     def __init__(self, run_name: str, total: int):
         from prefect.artifacts import create_progress_artifact
 
-        self.total = total
+        self.run_name, self.total, self.restarts = run_name, total, 0
         self.id = create_progress_artifact(progress=0.0, key=f"{artifact_key(run_name)}-progress",
-                                           description=f"training progress of {run_name}")
+                                           description=self._description())
 
-    def update(self, step: int) -> None:
+    def _description(self) -> str:
+        restarts = f" ({self.restarts} restart(s) after worker faults)" if self.restarts else ""
+        return f"training progress of {self.run_name}{restarts}"
+
+    def update(self, step: int, restarts: int | None = None) -> None:
         from prefect.artifacts import update_progress_artifact
 
-        update_progress_artifact(self.id, progress=100.0 * step / self.total)
+        self.restarts = self.restarts if restarts is None else restarts
+        update_progress_artifact(self.id, progress=100.0 * step / self.total, description=self._description())
+
+
+def failed_stages(step: int, wait_s: float = 10.0) -> list[str]:
+    """``"<task run name>: <state message>"`` for each failed task run of ``step`` in the current flow run.
+
+    Task-run states reach the Prefect server as events, a moment after the failure: wait up to ``wait_s``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, \
+        TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import flow_run
+
+    if not flow_run.get_id():
+        return []
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.get_id()])),
+                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                    type=TaskRunFilterStateType(any_=[StateType.FAILED]))))
+            found = [f"{r.name}: {r.state.message}" for r in runs if r.name.endswith(f"-step-{step}")]
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(1.0)
 
 
 def artifact_key(name: str) -> str:

@@ -77,6 +77,9 @@ class CorruptCheckpointError(ValueError):
         self.problem = problem
         super().__init__(f"checkpoint {step_dir}: {problem}")
 
+    def __reduce__(self):  # rebuilt from its fields when Ray or Prefect re-raise it in another process
+        return type(self), (self.step_dir, self.problem)
+
 
 # ----------------------------------------------------------------------------------------------- paths / io
 

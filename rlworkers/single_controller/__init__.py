@@ -12,7 +12,7 @@ from rlworkers.single_controller.base import (
     WorkerGroup,
     register,
 )
-from rlworkers.single_controller.errors import PlacementError, WorkerError
+from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess
 
-__all__ = ["ClassWithInitArgs", "Dispatch", "Execute", "PlacementError", "ResourcePool", "Worker", "WorkerError",
-           "WorkerGroup", "register"]
+__all__ = ["ClassWithInitArgs", "Dispatch", "Execute", "PlacementError", "ResourcePool", "StageTimeout", "Worker",
+           "WorkerError", "WorkerGroup", "WorkerProcess", "register"]

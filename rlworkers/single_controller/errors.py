@@ -1,35 +1,146 @@
-"""Errors the controller raises for worker-side failures, with the failing rank and its traceback."""
+"""Errors the controller raises for worker-side failures, and the wait that produces them.
+
+Every error here pickles with its fields: Ray re-raises a task's exception in the caller's process and Prefect
+re-raises a task's in the flow's, so an error that could not be rebuilt from its pickle would reach the user as
+``RaySystemError: __init__() missing 2 required positional arguments`` instead of what failed.
+"""
 
 from __future__ import annotations
 
+import pickle
+import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 
-class WorkerError(RuntimeError):
-    """A worker raised or died while running a worker-group method.
+@dataclass(frozen=True)
+class WorkerProcess:
+    """Where one rank of a worker group runs: enough to find its process and its log."""
 
-    ``rank`` is the failing worker's rank, ``method`` the method name; the message carries the remote traceback.
+    worker_class: str
+    actor_name: str
+    pid: int
+    node_ip: str
+    node_id: str
+    log_file: str | None = None
+
+    def __str__(self) -> str:
+        where = f"actor {self.actor_name}, pid {self.pid} on node {self.node_ip} ({self.node_id[:8]})"
+        return f"{where}, log {self.log_file}" if self.log_file else where
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died or did not answer while running a worker-group method.
+
+    ``rank`` is the failing worker's rank (-1 when Ray could not say which), ``method`` the method name,
+    ``cause`` the exception seen by the controller (a ``RuntimeError`` with its text where the original does not
+    pickle), ``remote_traceback`` the worker-side traceback, ``worker`` where the rank ran (``WorkerProcess``).
     """
 
-    def __init__(self, rank: int, method: str, cause: BaseException):
-        self.rank, self.method, self.cause = rank, method, cause
-        super().__init__(f"worker rank {rank} failed in {method!r}:\n{cause}")
+    def __init__(self, rank: int, method: str, cause: BaseException | str, worker: WorkerProcess | None = None,
+                 remote_traceback: str | None = None):
+        self.rank, self.method, self.worker = rank, method, worker
+        self.cause = _picklable(cause)
+        self.remote_traceback = remote_traceback if remote_traceback is not None else _remote_traceback(cause)
+        super().__init__(self._message())
+
+    @property
+    def actor_died(self) -> bool:
+        """The rank's process is gone (killed, crashed, node lost): retrying the call on it cannot succeed."""
+        import ray
+
+        return isinstance(self.cause, ray.exceptions.RayActorError) or isinstance(self, StageTimeout)
+
+    def _message(self) -> str:
+        who = f"{self.worker.worker_class} rank {self.rank}" if self.worker else f"worker rank {self.rank}"
+        where = f" ({self.worker})" if self.worker else ""
+        if self.actor_died:
+            return f"{who} died in {self.method!r}{where}: {_first_line(self.cause)}"
+        return f"{who} failed in {self.method!r}{where}:\n{self.remote_traceback or self.cause}"
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.method, self.cause, self.worker, self.remote_traceback)
+
+
+class StageTimeout(WorkerError):
+    """Ranks that did not answer a worker-group call within its time limit (their actors were killed)."""
+
+    def __init__(self, ranks: Sequence[int], method: str, timeout_s: float,
+                 workers: Sequence[WorkerProcess | None] = ()):
+        self.ranks, self.timeout_s, self.workers = list(ranks), timeout_s, list(workers)
+        super().__init__(self.ranks[0], method, f"no answer within {timeout_s:.0f} s",
+                         self.workers[0] if self.workers else None, remote_traceback="")
+
+    def _message(self) -> str:
+        where = "; ".join(f"rank {r}: {w}" for r, w in zip(self.ranks, self.workers) if w) or "no process details"
+        return (f"{self.method!r} did not answer within {self.timeout_s:.0f} s on rank(s) {self.ranks} ({where}); "
+                "those actors were killed so that a retry starts clean. If the stage is just slow, raise "
+                "trainer.stage_timeout_s / trainer.stage_timeout_s_per_sample")
+
+    def __reduce__(self):
+        return type(self), (self.ranks, self.method, self.timeout_s, self.workers)
 
 
 class PlacementError(RuntimeError):
     """A resource pool cannot be placed on the cluster (names what it asked for and what exists)."""
 
 
-def get_with_rank(refs: Sequence[Any], ranks: Sequence[int], method: str) -> list:
-    """``ray.get(refs)``; on failure raise WorkerError naming the first rank (in rank order) that failed."""
+def get_with_rank(refs: Sequence[Any], ranks: Sequence[int], method: str, *,
+                  workers: Sequence[WorkerProcess | None] | None = None, timeout_s: float | None = None,
+                  grace_s: float = 2.0) -> list:
+    """``ray.get(refs)`` in rank order, failing fast and naming who failed.
+
+    Raises ``WorkerError`` as soon as one rank fails; when several fail within ``grace_s`` of the first (a dead
+    peer makes the others' collectives fail too), a rank whose process died is named over one that raised.
+    Raises ``StageTimeout`` for the ranks still running after ``timeout_s`` (the caller kills them).
+    """
     import ray
 
+    failures = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
+    workers = list(workers) if workers else [None] * len(refs)
+    index = {ref: i for i, ref in enumerate(refs)}
+    outputs: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not done:
+            break
+        i = index[done[0]]
+        try:
+            outputs[i] = ray.get(done[0])
+        except failures as error:
+            errors[i] = error
+            if len(errors) == 1:  # from now on wait only grace_s for the others
+                deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
+    if errors:
+        died = [i for i, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
+        i = min(died) if died else min(errors)
+        raise WorkerError(ranks[i], method, errors[i], workers[i]) from errors[i]
+    if pending:  # errors is empty here: the deadline is the call's own
+        late = sorted(index[ref] for ref in pending)
+        raise StageTimeout([ranks[i] for i in late], method, timeout_s, [workers[i] for i in late])
+    return [outputs[i] for i in range(len(refs))]
+
+
+def _picklable(cause: BaseException | str) -> BaseException:
+    if isinstance(cause, str):
+        return RuntimeError(cause)
     try:
-        return ray.get(list(refs))
-    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as first_error:
-        for rank, ref in zip(ranks, refs):
-            try:
-                ray.get(ref)
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
-                raise WorkerError(rank, method, error) from error
-        raise WorkerError(-1, method, first_error) from first_error
+        pickle.loads(pickle.dumps(cause))
+        return cause
+    except Exception:
+        return RuntimeError(f"{type(cause).__name__}: {cause}")
+
+
+def _remote_traceback(cause: BaseException | str) -> str:
+    text = getattr(cause, "traceback_str", None)
+    return text if text else str(cause)
+
+
+def _first_line(cause: BaseException) -> str:
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return next((line for line in lines if "died" in line or "killed" in line or "exit" in line.lower()),
+                lines[0] if lines else type(cause).__name__)

@@ -52,7 +52,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg = self.config
-        self.init_process_group(cfg.backend)
+        self.init_process_group(cfg.backend, timeout_s=cfg.collective_timeout_s)
         common.seed_everything(cfg.seed)  # identical initial weights on every rank
         path = resolve_model_path(cfg.model.path)
         dtype = torch_dtype(cfg.model.dtype)

@@ -100,6 +100,7 @@ class WorkerConfig(_Frozen):
     ref_micro_batch_size_per_gpu: int = Field(64, gt=0)
     device: Literal["cpu", "cuda"] = "cpu"
     backend: Literal["gloo", "nccl"] | None = Field(None, description="defaults to gloo on cpu, nccl on cuda")
+    collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed timeout of the workers' world")
     seed: int = 0
 
     @model_validator(mode="after")

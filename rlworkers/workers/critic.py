@@ -24,16 +24,17 @@ from rlworkers.workers.config import CriticConfig, ModelConfig
 
 class CriticWorker(Worker):
     def __init__(self, config: CriticConfig | dict, model: ModelConfig | dict, device: str = "cpu",
-                 backend: str | None = None, seed: int = 0):
+                 backend: str | None = None, seed: int = 0, collective_timeout_s: float = 600.0):
         super().__init__()
         self.config = config if isinstance(config, CriticConfig) else CriticConfig.model_validate(config)
         fallback = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
         self.model_config = self.config.model or fallback
         self.device, self.backend, self.seed = device, backend, seed
+        self.collective_timeout_s = collective_timeout_s
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_process_group(self.backend)
+        self.init_process_group(self.backend, timeout_s=self.collective_timeout_s)
         common.seed_everything(self.seed)  # the new value head starts identical on every rank
         path = resolve_model_path(self.model_config.path)
         self.model = AutoModelForTokenClassification.from_pretrained(

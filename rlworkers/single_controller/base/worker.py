@@ -83,6 +83,18 @@ class Worker:
     def get_cuda_visible_devices(self) -> str:
         return os.environ.get("CUDA_VISIBLE_DEVICES", "not set")
 
+    def describe_process(self) -> dict:
+        """pid, node and log file of this worker's process (the controller names them when it fails)."""
+        import ray
+
+        try:
+            log_file = os.readlink("/proc/self/fd/1")  # Ray points a worker's stdout at its log file
+        except OSError:
+            log_file = None
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "log_file": log_file if log_file and log_file.startswith("/") else None}
+
     def getenv(self, key: str) -> str | None:
         return os.environ.get(key)
 

@@ -20,7 +20,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlworkers.protocol import DataProto, DataProtoFuture
 from rlworkers.single_controller.base.decorator import WITH_LEN_KEY, Execute, collect_dp_compute_data_proto
 from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
-from rlworkers.single_controller.errors import PlacementError, WorkerError, get_with_rank
+from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, \
+    get_with_rank
 
 
 class RayResourcePool(ResourcePool):
@@ -157,6 +158,7 @@ def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn
     chain_as_future = not blocking and collect_fn is collect_dp_compute_data_proto
 
     def call(*args, **kwargs):
+        rows = _rows(args, kwargs)
         args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
         ranks = list(range(worker_group.world_size)) if execute_mode is Execute.ALL else [0]
         refs = worker_group._execute_per_rank(method_name, args, kwargs, ranks, return_len=chain_as_future)
@@ -164,15 +166,30 @@ def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn
             return DataProtoFuture([r[0] for r in refs], [r[1] for r in refs], method=method_name, ranks=ranks)
         if not blocking:
             return refs if execute_mode is Execute.ALL else refs[0]
-        outputs = get_with_rank(refs, ranks, method_name)
+        outputs = worker_group._collect(refs, ranks, method_name, rows)
         return collect_fn(worker_group, outputs if execute_mode is Execute.ALL else outputs[0])
 
     call.__name__ = call.__qualname__ = method_name
     return call
 
 
+def _rows(args: tuple, kwargs: dict) -> int:
+    """Rows of the first batch argument of a call (0 if it has none): what its time limit scales with."""
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, DataProto):
+            return len(value)
+        if isinstance(value, DataProtoFuture):
+            return int(sum(value.lengths))
+    return 0
+
+
 class RayWorkerGroup(WorkerGroup):
-    """Ray actors of one worker class placed on a RayResourcePool, with the class's registered methods bound."""
+    """Ray actors of one worker class placed on a RayResourcePool, with the class's registered methods bound.
+
+    Blocking calls have a time limit when one is set (``set_call_timeout``): ranks that do not answer in time are
+    killed and the call raises ``StageTimeout``. ``unresponsive_ranks`` and ``restart`` let a controller find
+    dead or hung ranks after a failure and replace the group's actors in the same placement.
+    """
 
     def __init__(self, resource_pool: RayResourcePool | None = None, ray_cls_with_init: RayClassWithInitArgs = None,
                  bin_pack: bool = True, name_prefix: str | None = None, detached: bool = False,
@@ -182,6 +199,10 @@ class RayWorkerGroup(WorkerGroup):
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
         self.ray_cls_with_init = ray_cls_with_init
+        self.call_timeout_s: float | None = None
+        self.call_timeout_s_per_row = 0.0
+        self._worker_processes: list[WorkerProcess | None] = []
+        self._bin_pack, self._detached, self._worker_env = bin_pack, detached, dict(worker_env or {})
         self.name_prefix = name_prefix if name_prefix is not None else f"{uuid.uuid4().hex[:6]}_"
         self.resource_pool = resource_pool
         protected = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
@@ -191,9 +212,11 @@ class RayWorkerGroup(WorkerGroup):
         if worker_handles is not None:
             self._workers = list(worker_handles)
             self._worker_names = list(worker_names or [])
+            self._worker_processes = [None] * len(self._workers)
         elif worker_names is not None:
             self._workers = [ray.get_actor(name) for name in worker_names]
             self._worker_names = list(worker_names)
+            self._worker_processes = [None] * len(self._workers)
         elif resource_pool is not None:
             self._init_with_resource_pool(resource_pool, bin_pack, detached, dict(worker_env or {}))
         else:
@@ -231,13 +254,21 @@ class RayWorkerGroup(WorkerGroup):
                     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
                         raise WorkerError(0, f"{cls_name}.__init__", error) from error
                 rank += 1
-        # Surface constructor errors now, with the rank, rather than at the first call.
-        get_with_rank([w.__ray_ready__.remote() for w in self._workers], list(range(world_size)), f"{cls_name}.__init__")
+        # Surface constructor errors now, with the rank, rather than at the first call; learn where each rank runs.
+        described = get_with_rank([w.describe_process.remote() for w in self._workers], list(range(world_size)),
+                                  f"{cls_name}.__init__")
+        self._worker_processes = [WorkerProcess(worker_class=cls_name, actor_name=name, **info)
+                                  for name, info in zip(self._worker_names, described)]
 
     # ------------------------------------------------------------------------------------------- properties
     @property
     def worker_names(self) -> list[str]:
         return self._worker_names
+
+    @property
+    def worker_processes(self) -> list[WorkerProcess | None]:
+        """Where each rank runs (pid, node, log file); None for groups attached to existing actors."""
+        return self._worker_processes
 
     @property
     def workers(self) -> list:
@@ -258,6 +289,20 @@ class RayWorkerGroup(WorkerGroup):
         return value
 
     # ------------------------------------------------------------------------------------------- execution
+    def set_call_timeout(self, timeout_s: float | None, per_row_s: float = 0.0) -> None:
+        """Time limit of every blocking call: ``timeout_s + per_row_s * rows`` of its batch argument (None: none)."""
+        self.call_timeout_s, self.call_timeout_s_per_row = timeout_s, per_row_s
+
+    def _collect(self, refs: list, ranks: list[int], method_name: str, rows: int = 0) -> list:
+        timeout_s = None if self.call_timeout_s is None else self.call_timeout_s + self.call_timeout_s_per_row * rows
+        try:
+            return get_with_rank(refs, ranks, method_name, timeout_s=timeout_s,
+                                 workers=[self._worker_processes[r] for r in ranks])
+        except StageTimeout as timeout:
+            for rank in timeout.ranks:  # a hung rank would also hang the next call: end it
+                ray.kill(self._workers[rank], no_restart=True)
+            raise
+
     def _execute_per_rank(self, method_name: str, args: tuple, kwargs: dict, ranks: list[int],
                           return_len: bool = False) -> list:
         for name, value in [*enumerate(args), *kwargs.items()]:
@@ -281,7 +326,7 @@ class RayWorkerGroup(WorkerGroup):
         return [getattr(worker, method_name).remote(*args, **kwargs) for worker in self._workers]
 
     def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
-        return get_with_rank(self.execute_all_async(method_name, *args, **kwargs), list(range(self.world_size)),
+        return self._collect(self.execute_all_async(method_name, *args, **kwargs), list(range(self.world_size)),
                              method_name)
 
     execute_all = execute_all_async
@@ -290,7 +335,7 @@ class RayWorkerGroup(WorkerGroup):
         return getattr(self._workers[0], method_name).remote(*args, **kwargs)
 
     def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
-        return get_with_rank([self.execute_rank_zero_async(method_name, *args, **kwargs)], [0], method_name)[0]
+        return self._collect([self.execute_rank_zero_async(method_name, *args, **kwargs)], [0], method_name)[0]
 
     execute_rank_zero = execute_rank_zero_async
 
@@ -321,6 +366,43 @@ class RayWorkerGroup(WorkerGroup):
             group._bind_worker_method(role_classes[prefix], func_generator, remote_prefix=f"{prefix}_")
             groups[prefix] = group
         return groups
+
+    # ------------------------------------------------------------------------------------------- recovery
+    def unresponsive_ranks(self, timeout_s: float = 30.0) -> list[int]:
+        """Ranks whose actor is dead or does not answer a ping within ``timeout_s`` (a busy actor answers once
+        its running call ends)."""
+        pings = [worker.__ray_ready__.remote() for worker in self._workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        bad = []
+        for rank, ping in enumerate(pings):
+            try:
+                if ping not in ready:
+                    raise TimeoutError
+                ray.get(ping)
+            except (TimeoutError, ray.exceptions.RayActorError):
+                bad.append(rank)
+        return bad
+
+    def restart(self) -> None:
+        """Replace every actor with a new one in the same placement (after a rank died or hung): the ranks of a
+        torch.distributed world cannot rejoin one by one. Registered methods stay bound; call ``init_model``
+        (or whatever sets the workers up) again. Raises ``PlacementError`` while the placement lacks capacity
+        (a lost node) for longer than the pool's ``placement_timeout_s``."""
+        if self.resource_pool is None:
+            raise ValueError("restart() needs a group created from a resource pool")
+        pool = self.resource_pool
+        pgs = pool.get_placement_groups()
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=pool.placement_timeout_s)
+        if len(ready) < len(pgs):
+            raise PlacementError(
+                f"resource pool {pool.store} lost capacity (a node left?) and has not been placed again within "
+                f"{pool.placement_timeout_s:.0f} s: it needs {len(pool.store)} placement group(s) of bundles "
+                f"{pool.bundle()}; free now: {_resources(ray.available_resources(), pool.bundle())}")
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        self._workers, self._worker_names, self._worker_processes = [], [], []
+        self.name_prefix = f"{uuid.uuid4().hex[:6]}_"  # the killed actors' names may not be free yet
+        self._init_with_resource_pool(pool, self._bin_pack, self._detached, self._worker_env)
 
     def shutdown(self) -> None:
         """Kill this group's actors (its resource pool stays placed; call ``pool.remove()`` to free it)."""

@@ -1,0 +1,175 @@
+"""Worker faults at the single-controller level, injected from outside as the kernel or an operator would
+(SIGKILL, SIGSTOP): errors that survive pickling and name the process, time limits that fire and end the hung
+actors, collectives that fail instead of hanging, and a group that restarts in place."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+
+from flows.config import ConfigError
+from flows.lineage import ModelReferenceError, RestartBudgetExhausted, RunAlreadyComplete
+from flows.runtime import FaultBudgetExhausted, StepFailed
+from flows.services import ServiceError
+from rlworkers.checkpoint import CorruptCheckpointError
+from rlworkers.single_controller import Dispatch, PlacementError, StageTimeout, Worker, WorkerError, \
+    WorkerProcess, register
+from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+PROCESS = WorkerProcess(worker_class="ActorWorker", actor_name="abc_ActorWorker_0:1", pid=4242, node_ip="10.0.0.2",
+                        node_id="f" * 56, log_file="/tmp/ray/session_x/logs/worker-1-4242.out")
+ERRORS = [
+    WorkerError(1, "update_actor", ZeroDivisionError("boom"), PROCESS, remote_traceback="Traceback ...\nboom"),
+    StageTimeout([0, 1], "generate_sequences", 20.0, [PROCESS, None]),
+    PlacementError("resource pool [2] cannot be placed"),
+    CorruptCheckpointError("/runs/x/checkpoints/step_4", "actor/model.safetensors: sha256 mismatch"),
+    ConfigError("trainer.total_steps: Input should be greater than 0"),
+    ServiceError("the MLflow server at http://127.0.0.1:1 is not reachable"),
+    RunAlreadyComplete("run 'x' already trained its 3 steps"),
+    ModelReferenceError("models:/nope@champion does not exist"),
+    RestartBudgetExhausted("capped at trainer.max_crash_restarts=0"),
+    FaultBudgetExhausted("4 worker faults, more than trainer.max_restarts=3", ["step 3: actor lost"]),
+    StepFailed("step 3 failed with every worker alive"),
+]
+FIELDS = ("rank", "method", "ranks", "timeout_s", "worker", "workers", "remote_traceback", "step_dir", "problem",
+          "faults")
+
+
+def _fields(error: BaseException) -> dict:
+    return {name: getattr(error, name) for name in FIELDS if name in vars(error)}
+
+
+@ray.remote
+def _raise(error: BaseException):
+    raise error
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_every_project_error_travels_with_its_fields(ray_cluster, error):
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error) and _fields(copy) == _fields(error)
+
+    with pytest.raises(type(error)) as info:  # raised in a Ray worker, re-raised here as RayTaskError(<type>)
+        ray.get(_raise.remote(error))
+    assert isinstance(info.value, ray.exceptions.RayTaskError)
+    original = info.value.cause
+    assert type(original) is type(error) and str(original) == str(error) and _fields(original) == _fields(error)
+
+
+def test_worker_error_message_names_the_process():
+    error = ERRORS[0]
+    assert "ActorWorker rank 1 failed in 'update_actor'" in str(error)
+    assert "pid 4242 on node 10.0.0.2" in str(error) and PROCESS.log_file in str(error)
+    assert isinstance(pickle.loads(pickle.dumps(error)).cause, ZeroDivisionError)
+
+
+class Unpicklable(Exception):
+    def __init__(self, a, b):  # the default pickle calls Unpicklable(message) and fails
+        super().__init__(f"{a}/{b}")
+
+
+def test_a_cause_that_cannot_travel_keeps_its_text():
+    error = pickle.loads(pickle.dumps(WorkerError(0, "m", Unpicklable(1, 2))))
+    assert "Unpicklable: 1/2" in str(error.cause)
+
+
+class Peer(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def work(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join(self, timeout_s: float) -> str:
+        return self.init_process_group("gloo", timeout_s=timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce(self) -> float:
+        value = torch.ones(1)
+        torch.distributed.all_reduce(value)
+        return float(value)
+
+
+@pytest.fixture(scope="module")
+def peers(ray_cluster):
+    """Two workers shared by the tests below; each test leaves them healthy (the last one may not)."""
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1, placement_timeout_s=30)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=Peer))
+    yield group
+    group.shutdown()
+    pool.remove()
+
+
+def _after(seconds: float, action) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_worker_is_named_and_the_group_restarts_in_place(peers):
+    pids = peers.pid()
+    assert pids == [p.pid for p in peers.worker_processes]
+    _after(1.0, lambda: os.kill(pids[1], signal.SIGKILL))
+    with pytest.raises(WorkerError) as info:
+        peers.work(5)
+    error = info.value
+    assert error.rank == 1 and error.method == "work" and error.actor_died
+    assert f"Peer rank 1 died in 'work' (actor {peers.worker_names[1]}, pid {pids[1]} on node" in str(error)
+    assert error.worker.log_file and os.path.exists(error.worker.log_file)
+    assert peers.unresponsive_ranks(timeout_s=30) == [1]  # rank 0 answers once its 5 s call is over
+
+    peers.restart()
+    assert peers.unresponsive_ranks() == []
+    assert peers.work(0) == [0, 1]
+    assert set(peers.pid()).isdisjoint(pids)
+    assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_hung_worker_times_out_and_is_ended(peers):
+    pids = peers.pid()
+    peers.set_call_timeout(3.0)
+    os.kill(pids[0], signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StageTimeout) as info:
+            peers.work(0)
+    finally:
+        if psutil.pid_exists(pids[0]):
+            os.kill(pids[0], signal.SIGCONT)
+    assert time.monotonic() - started < 20
+    assert info.value.ranks == [0] and "did not answer within 3 s on rank(s) [0]" in str(info.value)
+    assert f"pid {pids[0]}" in str(info.value)
+    gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30)
+    assert gone, "the hung actor was not ended"
+    assert peers.unresponsive_ranks() == [0]
+    peers.restart()
+    assert peers.work(0) == [0, 1]
+    peers.set_call_timeout(None)
+
+
+def test_a_collective_with_a_hung_peer_fails_after_its_timeout(peers):  # last: leaves a broken world
+    peers.join(timeout_s=5)
+    assert peers.all_reduce() == [2.0, 2.0]
+    pids = peers.pid()
+    os.kill(pids[1], signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerError) as info:
+            peers.all_reduce()
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert time.monotonic() - started < 60
+    assert info.value.rank == 0 and not info.value.actor_died
+    assert "all_reduce" in str(info.value) and "rank 0" in str(info.value)
