@@ -311,13 +311,17 @@ class Run:
         log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(self.faults), budget)
         checkpoint = find_latest_checkpoint(self.checkpoint_root, required=["trainer_state.json"])
         rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(self.groups))
-        for name in sorted(rebuild):
-            self._restart_group(name)
-        if checkpoint:
-            _restore(self, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
-        else:
-            self.loader.load_state_dict(self.start_state["loader"])
-            self.kl_ctrl_state, self.start_step = self.start_state["kl_ctrl_state"], 1
+        try:
+            for name in sorted(rebuild):
+                self._restart_group(name)
+            if checkpoint:
+                _restore(self, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
+            else:
+                self.loader.load_state_dict(self.start_state["loader"])
+                self.kl_ctrl_state, self.start_step = self.start_state["kl_ctrl_state"], 1
+        except Exception as during_recovery:  # another worker lost while recovering: one more fault
+            self.recover(step, during_recovery)
+            return
         self.next_step = self.start_step
         seconds = time.perf_counter() - started
         self.tracker.log_metrics({"fault/restarts": len(self.faults), "fault/recovery_s": seconds}, step)

@@ -174,8 +174,9 @@ def failed_stages(step: int, wait_s: float = 10.0) -> list[str]:
             runs = client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.get_id()])),
                 task_run_filter=TaskRunFilter(state=TaskRunFilterState(
-                    type=TaskRunFilterStateType(any_=[StateType.FAILED]))))
-            found = [f"{r.name}: {r.state.message}" for r in runs if r.name.endswith(f"-step-{step}")]
+                    type=TaskRunFilterStateType(any_=[StateType.FAILED]), name=None)))
+            found = [f"{r.name}: {r.state.message if r.state else r.state_name}" for r in runs
+                     if r.name.endswith(f"-step-{step}")]
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(1.0)

@@ -2,13 +2,15 @@
 
 Checked through the services' own APIs: the Prefect flow run with one task run per stage per step, the
 checkpoint / progress / MLflow-link artifacts; the MLflow run's per-step metrics, params, samples table and model.
-Crash and resume: a fault injected at step 3 makes the flow retry, resume from the step-2 checkpoint in the same
-MLflow run and finish with the same metrics and weights as an uninterrupted run.
+Worker faults injected from outside (SIGKILL, SIGSTOP of Ray worker processes): the run replaces what died,
+resumes from the step-2 checkpoint in the same MLflow run and finishes with the same metrics and weights as an
+uninterrupted run; past trainer.max_restarts it fails listing the faults; a bug fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import uuid
@@ -26,6 +28,7 @@ from flows.grpo import grpo
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
 from flows.sft import sft
+from faults import Injector, after, busy_worker, checkpoint_exists
 from rlworkers.checkpoint import list_checkpoints
 from rlworkers.models.tiny import ensure_tiny_model
 
@@ -123,28 +126,74 @@ def _table_rows(artifact):
     return data if isinstance(data, list) else [dict(zip(data.keys(), row)) for row in zip(*data.values())]
 
 
-def test_crash_and_resume_matches_uninterrupted_run(env):
-    base = f"resume-{uuid.uuid4().hex[:6]}"
-    overrides = ("trainer.total_steps=4", "trainer.test_freq=0", "trainer.save_freq=2")
+def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(env):
+    """Three faults from outside in one run: an actor rank killed during its update (a DDP step), an actor rank
+    stopped during generation (a hang: the stage time limit ends it) and the reward worker killed. Each time the
+    run replaces what died, restores the step-2 checkpoint and redoes the steps; it ends with the same weights."""
+    base = f"faults-{uuid.uuid4().hex[:6]}"
+    overrides = ("trainer.total_steps=4", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.stage_timeout_s=15",
+                 "trainer.stage_timeout_s_per_sample=0")
     clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
-    crash_config = small_config(env, f"{base}-crash", *overrides, "trainer.fault_injection=update_actor@3")
-    crash_state, crash_metrics = run_flow("grpo", crash_config)
-    assert clean_state.is_completed() and crash_state.is_completed()
+    config = small_config(env, f"{base}-faults", *overrides)
+    injector = Injector([])
+    injector.plan = [
+        (checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL),
+        (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
+        (lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_log_prob"),
+         "ray::RewardWorker", signal.SIGKILL),  # once the run is training again
+    ]
+    injector.start()
+    try:
+        state, metrics = run_flow("grpo", config)
+    finally:
+        injector.stop()
+    assert [sig for _, _, sig in injector.done] == [signal.SIGKILL, signal.SIGSTOP, signal.SIGKILL]
+    assert clean_state.is_completed() and state.is_completed()
 
-    _, flow_task_runs, _ = asyncio.run(prefect_view(crash_state.state_details.flow_run_id))
-    failed = [t for t in flow_task_runs if t.state.is_failed()]
-    assert [t.name for t in failed] == ["update_actor-step-3"]  # the injected fault, then the flow retry
+    _, task_runs, artifacts = asyncio.run(prefect_view(state.state_details.flow_run_id))
+    failed = {t.name.split("-step-")[0] for t in task_runs if t.state.is_failed()}
+    assert {"update_actor", "generate_sequences"} <= failed, failed
+    progress = next(a for a in artifacts if a.key == f"{base}-faults-progress")
+    assert "3 restart(s)" in progress.description
 
-    client, run = mlflow_run(f"{base}-crash")  # one MLflow run across both attempts
+    client, run = mlflow_run(f"{base}-faults")
     assert run.info.status == "FINISHED"
-    history = client.get_metric_history(run.info.run_id, "critic/score/mean")
-    assert sorted({m.step for m in history}) == [1, 2, 3, 4]
-    # Same seed, resumed from the step-2 checkpoint: bitwise the same as the uninterrupted run.
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] == [1, 2, 3]
+    # Same seed, every fault rewound to the step-2 checkpoint: bitwise the same as the uninterrupted run.
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
-        assert crash_metrics[key] == clean_metrics[key], key
+        assert metrics[key] == clean_metrics[key], key
     clean_weights = load_file(f"{env['runs']}/{base}-clean/final_model/model.safetensors")
-    crash_weights = load_file(f"{env['runs']}/{base}-crash/final_model/model.safetensors")
-    assert all(torch.equal(clean_weights[k], crash_weights[k]) for k in clean_weights)
+    weights = load_file(f"{env['runs']}/{base}-faults/final_model/model.safetensors")
+    assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
+
+
+def test_faults_past_the_budget_fail_the_run_and_list_them(env):
+    name = f"budget-{uuid.uuid4().hex[:6]}"
+    config = small_config(env, name, "trainer.total_steps=3", "trainer.test_freq=0", "trainer.max_restarts=0")
+    injector = Injector([(lambda: True, "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL)])
+    injector.start()
+    try:
+        state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    finally:
+        injector.stop()
+    assert state.is_failed()
+    assert "FaultBudgetExhausted" in state.message and "more than trainer.max_restarts=0" in state.message
+    assert "actor rank(s) [" in state.message and "update_actor-step-" in state.message
+    client, run = mlflow_run(name)
+    assert run.info.status == "FAILED"
+
+
+def test_an_error_with_every_worker_alive_fails_at_once(env, tmp_path):
+    """A reward function that raises is a bug, not a fault: no restart, the error names the worker and the line."""
+    (tmp_path / "broken.py").write_text("def score(prompts, responses, **columns):\n    return 1 / 0\n")
+    name = f"broken-{uuid.uuid4().hex[:6]}"
+    config = small_config(env, name, f"reward.reward_fn={tmp_path / 'broken.py'}:score")
+    state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    assert state.is_failed()
+    assert "RewardWorker rank 0 failed in 'compute_rm_score'" in state.message
+    assert "ZeroDivisionError" in state.message and "broken.py" in state.message
+    client, run = mlflow_run(name)
+    assert not client.get_metric_history(run.info.run_id, "fault/restarts")
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(env):
