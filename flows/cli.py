@@ -55,14 +55,11 @@ def use_running_services() -> None:
 
 
 def run_training(algorithm: str, config, return_state: bool = False):
-    """Run one training flow on a RayTaskRunner built from the config."""
-    from prefect_ray import RayTaskRunner
+    """Run one training flow on the Ray task runner the config asks for (trainer.ray_address, ray_num_cpus)."""
+    from flows.runtime import ray_task_runner
 
-    from flows.runtime import ray_init_kwargs
-
-    flow_fn = get_flow(algorithm)
-    runner = RayTaskRunner(address=config.trainer.ray_address, init_kwargs=ray_init_kwargs(config))
-    return flow_fn.with_options(task_runner=runner)(config=config, return_state=return_state)
+    runner = ray_task_runner(config.trainer.ray_address, config.trainer.ray_num_cpus)
+    return get_flow(algorithm).with_options(task_runner=runner)(config=config, return_state=return_state)
 
 
 @app.callback()

@@ -94,7 +94,8 @@ class TrainerConfig(_Frozen):
     n_workers: int = Field(2, gt=0, description="data-parallel actor workers")
     device: Literal["cpu", "cuda"] = "cpu"
     ray_address: str | None = Field(None, description="existing Ray cluster; unset = start a local one")
-    ray_num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray (placement slots)")
+    ray_num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray (placement slots); "
+                                     "ignored with ray_address")
     log_samples: int = Field(8, ge=0, description="sample generations logged per validation")
     log_model: bool = Field(True, description="log the final model to MLflow")
     register_model_name: str | None = Field(None, description="also register the final model under this name")

@@ -181,17 +181,24 @@ class Run:
 
     @contextmanager
     def training(self):
-        """Around a flow's loop: validate a fresh run first; at the end save the final model; always release the
-        workers and close the MLflow run (FAILED on an exception, which then reaches Prefect for its retry)."""
+        """Around a flow's loop: validate a fresh run first; at the end publish the final model; always release the
+        workers and close the MLflow run (FAILED on an exception, which then ends the flow run Failed).
+
+        Stage tasks ask Ray for no CPU: they only call the worker groups, whose placement groups hold the
+        resources, so a cluster that lost a node still has room to run them. Ray does not re-run a stage task
+        whose node died (``max_retries=0``): ``recover`` decides what to redo."""
+        from prefect_ray.context import remote_options
+
         status = "FAILED"
         try:
-            while self.start_step == 1 and 0 not in self.val_scores:
-                try:
-                    self.validate(step=0)
-                except Exception as error:
-                    self.recover(0, error)
-            yield
-            self.publish()
+            with remote_options(num_cpus=0, max_retries=0):
+                while self.start_step == 1 and 0 not in self.val_scores:
+                    try:
+                        self.validate(step=0)
+                    except Exception as error:
+                        self.recover(0, error)
+                yield
+                self.publish()
             status = "FINISHED"
         finally:
             self.close(status)
@@ -553,21 +560,22 @@ def _service_env() -> dict[str, str]:
             if k in os.environ}
 
 
-def default_task_runner():
-    """The flows' task runner when started by a deployment: Ray at ``$RAY_ADDRESS`` or a local one with
-    ``$RLFLOW_RAY_NUM_CPUS`` logical CPUs (default: max(8, cores): slots for the worker processes)."""
+def ray_task_runner(address: str | None = None, num_cpus: int | None = None):
+    """The flows' task runner, built here only: Ray at ``address`` (else ``$RAY_ADDRESS``) when one is given,
+    otherwise a local Ray with ``num_cpus`` (else ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as
+    slots for the worker processes. ``num_cpus`` does not apply to an existing cluster (it has its own resources).
+    Every Ray worker, on every node, gets the service URLs in its environment."""
     from prefect_ray import RayTaskRunner
 
-    num_cpus = int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
+    address = address or os.environ.get("RAY_ADDRESS") or None
     init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
-    if not os.environ.get("RAY_ADDRESS"):
-        init_kwargs["num_cpus"] = num_cpus
-    return RayTaskRunner(address=os.environ.get("RAY_ADDRESS"), init_kwargs=init_kwargs)
+    if address is None:
+        init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
+    else:
+        init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
+    return RayTaskRunner(address=address, init_kwargs=init_kwargs)
 
 
-def ray_init_kwargs(config: RLConfig) -> dict:
-    """What RayTaskRunner starts Ray with: the service URLs travel to every worker, also on other nodes."""
-    kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
-    if config.trainer.ray_num_cpus:
-        kwargs["num_cpus"] = config.trainer.ray_num_cpus
-    return kwargs
+def default_task_runner():
+    """The task runner a deployment's flow run gets (from the environment: ``RAY_ADDRESS``, ``RLFLOW_RAY_NUM_CPUS``)."""
+    return ray_task_runner()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import uuid
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from rlworkers.protocol import DataProto

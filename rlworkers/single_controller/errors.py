@@ -55,7 +55,9 @@ class WorkerError(RuntimeError):
         who = f"{self.worker.worker_class} rank {self.rank}" if self.worker else f"worker rank {self.rank}"
         where = f" ({self.worker})" if self.worker else ""
         if self.actor_died:
-            return f"{who} died in {self.method!r}{where}: {_first_line(self.cause)}"
+            text = str(self.cause).strip()
+            details = f"\n{text}" if "\n" in text else ""  # e.g. the constructor's traceback
+            return f"{who} died in {self.method!r}{where}: {_first_line(self.cause)}{details}"
         return f"{who} failed in {self.method!r}{where}:\n{self.remote_traceback or self.cause}"
 
     def __reduce__(self):

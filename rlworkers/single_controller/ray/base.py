@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import time
 import uuid
 from typing import Any, Callable
 
@@ -105,6 +106,15 @@ class RayResourcePool(ResourcePool):
         self.pgs = None
 
 
+def _placed(pg: PlacementGroup) -> bool:
+    """Every bundle of ``pg`` sits on a live node (Ray re-places the bundles of a lost node when it can)."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)
+    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    return table.get("state") == "CREATED" and set(table.get("bundles_to_node_id", {}).values()) <= alive
+
+
 def _resources(available: dict, keys: dict) -> dict:
     return {k: round(available.get(k, 0), 3) for k in keys}
 
@@ -174,12 +184,11 @@ def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
-    """Rows of the first batch argument of a call (0 if it has none): what its time limit scales with."""
+    """Rows of the first batch argument of a call (0 if it has none, or if it is a future whose lengths are
+    still remote): what its time limit scales with."""
     for value in [*args, *kwargs.values()]:
         if isinstance(value, DataProto):
             return len(value)
-        if isinstance(value, DataProtoFuture):
-            return int(sum(value.lengths))
     return 0
 
 
@@ -392,8 +401,10 @@ class RayWorkerGroup(WorkerGroup):
             raise ValueError("restart() needs a group created from a resource pool")
         pool = self.resource_pool
         pgs = pool.get_placement_groups()
-        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=pool.placement_timeout_s)
-        if len(ready) < len(pgs):
+        deadline = time.monotonic() + pool.placement_timeout_s
+        while not all(_placed(pg) for pg in pgs) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        if not all(_placed(pg) for pg in pgs):
             raise PlacementError(
                 f"resource pool {pool.store} lost capacity (a node left?) and has not been placed again within "
                 f"{pool.placement_timeout_s:.0f} s: it needs {len(pool.store)} placement group(s) of bundles "
