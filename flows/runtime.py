@@ -423,8 +423,8 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     # resume=never means "do not continue another run": a later attempt of this flow run still resumes its own.
     resume = resolve_resume(f"{root}/checkpoints", "auto" if same_flow_run else config.trainer.resume)
     state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
-    if state and state["algorithm"] != algorithm:
-        raise RuntimeError(f"{resume[0]} is a {state['algorithm']} checkpoint; this is the {algorithm} flow")
+    if state:
+        check_checkpoint_fits(resume[0], state, config, algorithm)
     if state and state["step"] >= config.trainer.total_steps and lineage.read_result(root) \
             and not config.trainer.republish:
         raise lineage.RunAlreadyComplete(
@@ -463,6 +463,28 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         config.trainer.total_steps, tracker.url, f" (resumed from {resume[0]})" if resume else "",
         f" (attempt after {crashes} crash(es))" if crashes else "")
     return run
+
+
+class CheckpointMismatch(RuntimeError):
+    """A checkpoint this run would resume was written by another algorithm, model or number of workers."""
+
+
+def check_checkpoint_fits(path: str, state: dict, config: RLConfig, algorithm: str) -> None:
+    """Refuse, before any worker starts, a checkpoint that this run cannot continue."""
+    saved = state.get("config", {})
+    problems = []
+    if state.get("algorithm") != algorithm:
+        problems.append(f"it is a {state.get('algorithm')} checkpoint and this is the {algorithm} flow")
+    if state.get("world_size") not in (None, config.trainer.n_workers):
+        problems.append(f"it was written by {state['world_size']} actor workers and this run has "
+                        f"trainer.n_workers={config.trainer.n_workers}")
+    saved_model = saved.get("model", {}).get("path")
+    if saved_model not in (None, config.model.path):
+        problems.append(f"it trains model.path={saved_model!r} and this run names {config.model.path!r}")
+    if problems:
+        raise CheckpointMismatch(
+            f"cannot resume {path}: {'; '.join(problems)}. Fix: use the settings the run was started with, or start "
+            "a new run (another trainer.run_name, or trainer.resume=never).")
 
 
 def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict,

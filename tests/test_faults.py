@@ -173,3 +173,23 @@ def test_a_collective_with_a_hung_peer_fails_after_its_timeout(peers):  # last: 
     assert time.monotonic() - started < 60
     assert info.value.rank == 0 and not info.value.actor_died
     assert "all_reduce" in str(info.value) and "rank 0" in str(info.value)
+
+
+def test_a_checkpoint_of_another_run_shape_is_refused_before_workers_start():
+    from flows.config import load_config
+    from flows.runtime import CheckpointMismatch, check_checkpoint_fits
+
+    config = load_config("demo", ["trainer.n_workers=2", "model.path=tiny"])
+    state = {"algorithm": "grpo", "world_size": 2, "config": config.model_dump(mode="json")}
+    check_checkpoint_fits("/runs/x/checkpoints/step_4", state, config, "grpo")  # the same shape resumes
+    wider = load_config("demo", ["trainer.n_workers=4", "model.path=tiny", "actor.ppo_micro_batch_size_per_gpu=32"])
+    other_model = load_config("demo", ["trainer.n_workers=2", "model.path=/models/other"])
+    for run_config, algorithm, expected in [
+        (config, "ppo", "it is a grpo checkpoint and this is the ppo flow"),
+        (wider, "grpo", "written by 2 actor workers and this run has trainer.n_workers=4"),
+        (other_model, "grpo", "it trains model.path='tiny' and this run names '/models/other'"),
+    ]:
+        with pytest.raises(CheckpointMismatch, match="cannot resume /runs/x/checkpoints/step_4") as info:
+            check_checkpoint_fits("/runs/x/checkpoints/step_4", state, run_config, algorithm)
+        assert expected in str(info.value) and "Fix:" in str(info.value)
+        assert pickle.loads(pickle.dumps(info.value)).args == info.value.args
