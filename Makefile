@@ -41,6 +41,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rlflow demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)

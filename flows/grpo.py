@@ -16,8 +16,14 @@ from prefect import flow
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
 from flows.runtime import default_task_runner, start_run
-from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
-    generate_sequences, update_actor
+from flows.stages import (
+    compute_advantage,
+    compute_log_prob,
+    compute_ref_log_prob,
+    compute_reward,
+    generate_sequences,
+    update_actor,
+)
 
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_actor"]]
 

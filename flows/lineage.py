@@ -24,12 +24,16 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import fsspec
+
 from flows.config import MODEL_REFERENCE, RLConfig
 from rlworkers.checkpoint import read_json, write_json
+from rlworkers.storage import COMPLETE_MARKER, staged_dir
 
 logger = logging.getLogger(__name__)
 
@@ -206,28 +210,30 @@ def _describe_models(models: dict) -> str:
 
 
 def download_model(uri: str, client, cache_root: str) -> str:
-    """Download a pinned model reference once into ``<cache_root>/<name>`` and return a folder that holds the
-    model and its tokenizer together (MLflow's transformers flavour stores them apart)."""
+    """Download a pinned model reference once into ``<cache_root>/<key>/hf`` and return that folder, which holds the
+    model and its tokenizer together (MLflow's transformers flavour stores them apart). ``cache_root`` is under
+    ``trainer.runs_dir``, so on object storage every node's workers read the model from there."""
     import mlflow
 
     key = re.sub(r"[^A-Za-z0-9_.-]+", "-", uri.split(":/", 1)[1]).strip("-")
-    target = Path(cache_root) / key
-    hf_dir = target / "hf"
-    if (hf_dir / ".complete").exists():
-        return str(hf_dir)
-    shutil.rmtree(target, ignore_errors=True)
-    downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target / "mlflow")))
-    weights = next((p.parent for p in downloaded.rglob("config.json") if "components" not in p.parts), None)
-    if weights is None:
-        raise ModelReferenceError(f"{uri} holds no Hugging Face model (no config.json under {downloaded})")
-    hf_dir.mkdir(parents=True)
-    sources = [weights, *(p for p in [downloaded / "components" / "tokenizer"] if p.is_dir())]
-    for source in sources:
-        for item in source.iterdir():
-            if item.is_file():
-                shutil.copy2(item, hf_dir / item.name)
-    (hf_dir / ".complete").touch()
-    return str(hf_dir)
+    target = f"{cache_root.rstrip('/')}/{key}/hf"
+    fs, path = fsspec.core.url_to_fs(target)
+    if fs.exists(f"{path}/{COMPLETE_MARKER}"):
+        return target
+    if fs.exists(path):
+        fs.rm(path, recursive=True)  # an earlier download that did not finish
+    with tempfile.TemporaryDirectory(prefix="rlflow-model-") as tmp:
+        downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp))
+        weights = next((p.parent for p in downloaded.rglob("config.json") if "components" not in p.parts), None)
+        if weights is None:
+            raise ModelReferenceError(f"{uri} holds no Hugging Face model (no config.json in its artifacts)")
+        with staged_dir(target) as hf_dir:
+            for source in [weights, *(p for p in [downloaded / "components" / "tokenizer"] if p.is_dir())]:
+                for item in source.iterdir():
+                    if item.is_file():
+                        shutil.copy2(item, f"{hf_dir}/{item.name}")
+    fs.pipe_file(f"{path}/{COMPLETE_MARKER}", b"")  # last: the folder is whole
+    return target
 
 
 def lineage_parent(client, experiment_id: str, lineage: str):
@@ -324,4 +330,4 @@ def summary_markdown(record: RunRecord, result: dict) -> str:
 
 def cache_root(config: RLConfig) -> str:
     runs = config.trainer.runs_dir
-    return os.path.join(os.path.abspath(runs) if "://" not in runs else runs, "_models")
+    return f"{os.path.abspath(runs) if '://' not in runs else runs.rstrip('/')}/_models"

@@ -16,8 +16,16 @@ from prefect import flow
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
 from flows.runtime import default_task_runner, start_run
-from flows.stages import compute_advantage, compute_log_prob, compute_ref_log_prob, compute_reward, \
-    compute_values, generate_sequences, update_actor, update_critic
+from flows.stages import (
+    compute_advantage,
+    compute_log_prob,
+    compute_ref_log_prob,
+    compute_reward,
+    compute_values,
+    generate_sequences,
+    update_actor,
+    update_critic,
+)
 
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], ["update_actor", "update_critic"]]
 

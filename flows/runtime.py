@@ -10,10 +10,12 @@ import logging
 import os
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import fsspec
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.exceptions import UnfinishedRun
@@ -21,16 +23,32 @@ from prefect.exceptions import UnfinishedRun
 from flows import lineage
 from flows.config import RLConfig, flatten, runs_root
 from flows.stages import IDEMPOTENT, validate
-from flows.tracking import ProgressArtifact, Tracker, artifact_key, failed_stages, prefect_flow_run_links, \
-    publish_checkpoint_artifact, publish_mlflow_link
-from rlworkers.checkpoint import apply_retention, begin_checkpoint, commit_checkpoint, find_latest_checkpoint, \
-    read_json, resolve_resume, write_json
+from flows.tracking import (
+    ProgressArtifact,
+    Tracker,
+    artifact_key,
+    failed_stages,
+    prefect_flow_run_links,
+    publish_checkpoint_artifact,
+    publish_mlflow_link,
+)
+from rlworkers.checkpoint import (
+    CheckpointSaveError,
+    apply_retention,
+    begin_checkpoint,
+    commit_checkpoint,
+    find_latest_checkpoint,
+    read_json,
+    resolve_resume,
+    write_json,
+)
 from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
 from rlworkers.models.loading import load_tokenizer, resolve_model_path
-from rlworkers.single_controller import PlacementError
+from rlworkers.single_controller import PlacementError, WorkerError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rlworkers.storage import is_remote, storage_env
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 from rlworkers.workers.critic import CriticWorker
 from rlworkers.workers.reward import RewardWorker
@@ -59,27 +77,31 @@ class StepFailed(RuntimeError):
 def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, timeout: tuple[float, float] | None = None,
                 **init_kwargs) -> RayWorkerGroup:
     pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=cls, **init_kwargs))
+    worker_cls = RayClassWithInitArgs(cls=cls, **init_kwargs)
+    if storage_env():  # workers write checkpoints straight to the store
+        worker_cls.update_options({"runtime_env": {"env_vars": storage_env()}})
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls)
     if timeout:
         group.set_call_timeout(*timeout)
     group.init_model()
     return group
 
 
-def dataset_rows(config: RLConfig, split: str) -> list[dict]:
+def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
     """Rows of a split: the configured files (validation falls back to the training files, with a warning), or
-    the built-in task's split."""
+    the built-in task's split. With ``tokenizer``, every prompt is checked against ``data.max_prompt_length``."""
     files = config.data.train_files if split == "train" else config.data.val_files
     if split != "train" and not files and config.data.train_files:
         logger.warning("data.val_files is not set: validating on data.train_files")
         files = config.data.train_files
+    limit = {"tokenizer": tokenizer, "max_prompt_length": config.data.max_prompt_length} if tokenizer else {}
     if files:
-        return load_prompt_dataset(files, prompt_key=config.data.prompt_key)
+        return load_prompt_dataset(files, prompt_key=config.data.prompt_key, **limit)
     task_cfg = config.data.task
     data_dir = f"{config.trainer.runs_dir.rstrip('/')}/_data/{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}"
     paths = ensure_addition_dataset(data_dir, num_train=task_cfg.num_train, num_val=task_cfg.num_val,
                                     max_digits=task_cfg.max_digits, seed=task_cfg.seed)
-    return load_prompt_dataset(paths[split], prompt_key="prompt")
+    return load_prompt_dataset(paths[split], prompt_key="prompt", **limit)
 
 
 @dataclass
@@ -104,6 +126,7 @@ class Run:
     next_step: int = 1
     start_state: dict = field(default_factory=dict)  # where a fault before the first checkpoint rewinds to
     faults: list[str] = field(default_factory=list)
+    last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
 
     @property
     def checkpoint_root(self) -> str:
@@ -186,12 +209,14 @@ class Run:
 
         Stage tasks ask Ray for no CPU: they only call the worker groups, whose placement groups hold the
         resources, so a cluster that lost a node still has room to run them. Ray does not re-run a stage task
-        whose node died (``max_retries=0``): ``recover`` decides what to redo."""
+        whose node died (``max_retries=0``): ``recover`` decides what to redo. They get this process's
+        object-store settings (``save_checkpoint`` commits to the store)."""
         from prefect_ray.context import remote_options
 
         status = "FAILED"
+        store = {"runtime_env": {"env_vars": storage_env()}} if storage_env() else {}
         try:
-            with remote_options(num_cpus=0, max_retries=0):
+            with remote_options(num_cpus=0, max_retries=0, **store):
                 while self.start_step == 1 and 0 not in self.val_scores:
                     try:
                         self.validate(step=0)
@@ -239,7 +264,9 @@ class Run:
                  "world_size": self.config.trainer.n_workers, "config": self.config.model_dump(mode="json")}
         roles = {name: group for name, group in self.groups.items() if name in ("actor", "critic", "reward")}
         path, manifest = save_checkpoint.submit(self.checkpoint_root, step, roles, state,
-                                                self.config.trainer.keep_last_checkpoints).result()
+                                                self.config.trainer.keep_last_checkpoints,
+                                                self.last_checkpoint).result()
+        self.last_checkpoint = path
         publish_checkpoint_artifact(self.config.trainer.run_name, step, path, self.last_metrics)
         self.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
         return path
@@ -257,7 +284,7 @@ class Run:
                   "data_epoch": cursor["epoch"], "data_cursor": cursor}
         self.tracker.set_tags({"rlflow.data_cursor": json.dumps(cursor)})
         path = f"{self.root}/final_model"
-        self.groups["actor"].save_checkpoint(path)
+        self.groups["actor"].save_model(path)
         self.tracker.set_tags({"final_model_path": path})
         if self.config.trainer.log_model:
             info = self.tracker.log_model(path, register_as=lineage.registered_model_name(self.config))
@@ -382,14 +409,30 @@ class TerminalProgress:
 
 
 @task(name="save_checkpoint", task_run_name="save_checkpoint-step-{step}", **IDEMPOTENT)
-def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int) -> tuple[str, dict]:
-    """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically)."""
-    step_dir = begin_checkpoint(root, step, overwrite=True)
-    for role, group in roles.items():
-        group.save_checkpoint(f"{step_dir}/{role}")
-    write_json(f"{step_dir}/trainer_state.json", trainer_state)
-    manifest = commit_checkpoint(step_dir, {"step": step, "world_size": trainer_state["world_size"]},
-                                 required=["trainer_state.json"])
+def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int,
+                    previous: str | None) -> tuple[str, dict]:
+    """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically).
+    Retention runs only after the commit, so ``previous`` (the run's newest checkpoint) is intact whatever fails.
+
+    Raises:
+        CheckpointSaveError: a write failed (the store, not a worker): the message names what is still there.
+    """
+    step_dir = f"{root}/step_{step}"
+    try:
+        begin_checkpoint(root, step, overwrite=True)
+        for role, group in roles.items():
+            group.save_checkpoint(f"{step_dir}/{role}")
+        write_json(f"{step_dir}/trainer_state.json", trainer_state)
+        manifest = commit_checkpoint(step_dir, {"step": step, "world_size": trainer_state["world_size"]},
+                                     required=["trainer_state.json"])
+    except WorkerError as error:
+        if error.actor_died:
+            raise  # a lost or hung worker: the step is redone after a restart (Run.recover)
+        cause = str(error.cause).strip().splitlines()[0] if str(error.cause).strip() else ""
+        raise CheckpointSaveError(step_dir, previous, f"rank {error.rank} failed in {error.method}: "
+                                  f"{type(error.cause).__name__}: {cause}") from error
+    except Exception as error:  # OSError, botocore's EndpointConnectionError / ClientError, gcsfs's HttpError...
+        raise CheckpointSaveError(step_dir, previous, f"{type(error).__name__}: {error}") from error
     apply_retention(root, keep_last)
     return step_dir, manifest
 
@@ -408,6 +451,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
 
     require_prefect_api()
     require_mlflow_tracking()
+    check_runs_dir_writable(config)
     reap_orphaned_ray_agents()
     config = config.model_copy(update={"trainer": config.trainer.model_copy(
         update={"run_name": lineage.run_name(config, algorithm)})})
@@ -433,21 +477,29 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
             "trainer.republish=true to publish it again, or start a new run (another trainer.run_name, or a "
             "lineage's next run).")
 
+    if record is None:  # nothing is written before the start model and the data have checked out
+        model_uri, model_dir = _start_model(config)
+    else:
+        model_uri, model_dir = record.model_uri, record.model_dir
+    tokenizer = load_tokenizer(model_dir)
+    checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
+    train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
+
     experiment = config.trainer.lineage or config.trainer.project_name
     tags = {"algorithm": algorithm, **links, **({"rlflow.lineage": config.trainer.lineage}
                                                   if config.trainer.lineage else {})}
     if record is None:
-        tracker, record = _new_record(config, algorithm, experiment, tags, links.get("prefect.flow_run_id"))
+        tracker, record = _new_record(config, algorithm, experiment, tags, links.get("prefect.flow_run_id"),
+                                      model_uri, model_dir)
     else:
         tracker = Tracker(experiment, name, run_id=record.mlflow_run_id, tags=tags)
     tracker.log_params(flatten(config))
     publish_mlflow_link(name, tracker.url)
 
-    tokenizer = load_tokenizer(record.model_dir)
-    loader = PromptDataLoader(dataset_rows(config, "train"), batch_size=config.data.train_batch_size,
-                              shuffle=config.data.shuffle, seed=config.trainer.seed)
+    loader = PromptDataLoader(train_rows, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle,
+                              seed=config.trainer.seed)
     run = Run(config=config, algorithm=algorithm, root=root, tokenizer=tokenizer, loader=loader,
-              val_rows=dataset_rows(config, "validation"), tracker=tracker, record=record)
+              val_rows=val_rows, tracker=tracker, record=record)
     if record.data_cursor and not resume:
         get_run_logger().info("lineage %s: %s", config.trainer.lineage,
                               lineage.continue_data_cursor(loader, record.data_cursor))
@@ -487,15 +539,42 @@ def check_checkpoint_fits(path: str, state: dict, config: RLConfig, algorithm: s
             "a new run (another trainer.run_name, or trainer.resume=never).")
 
 
-def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict,
-                flow_run_id: str | None) -> tuple[Tracker, lineage.RunRecord]:
-    """A run's first attempt: resolve and pin its start model (and, in a lineage, its parent run and data cursor),
-    then create its MLflow run. Nothing is written before the start model has resolved."""
+def check_runs_dir_writable(config: RLConfig) -> None:
+    """Fail before anything starts when ``trainer.runs_dir`` cannot be written (permissions, credentials, a
+    missing bucket): checkpoints would fail only at the first save, after minutes of training."""
+    runs = config.trainer.runs_dir
+    probe = f"{runs.rstrip('/') if is_remote(runs) else os.path.abspath(runs)}/.rlflow-write-test-{uuid.uuid4().hex}"
+    try:
+        write_json(probe, {"written_by": "rlflow pre-flight check"})
+        fs, path = fsspec.core.url_to_fs(probe)
+        fs.rm(path)
+    except Exception as error:  # PermissionError, botocore's ClientError, NoCredentialsError...
+        raise PermissionError(f"trainer.runs_dir={runs!r} cannot be written ({type(error).__name__}: {error}). "
+                              "Checkpoints, the run record and the final model go there. Fix: pick a folder you can "
+                              "write (or fix its permissions), or for s3:// check the bucket exists and the "
+                              "credentials (AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible store).") from error
+
+
+def _start_model(config: RLConfig) -> tuple[str, str]:
+    """(pinned URI, folder) of the model a new run starts from; ``tiny`` becomes its local folder, a URL stays one
+    (every node caches it)."""
+    from mlflow.tracking import MlflowClient
+
+    model_uri, model_dir = lineage.start_model(config, MlflowClient(), lineage.cache_root(config))
+    if model_dir.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model_dir)):
+        raise FileNotFoundError(f"model.path={model_dir!r}: no such folder. Fix: name a folder that holds the model's "
+                                "config.json, weights and tokenizer, a Hugging Face hub name, `tiny`, or an MLflow "
+                                "reference (models:/<name>@<alias>)")
+    return model_uri, model_dir if is_remote(model_dir) else resolve_model_path(model_dir)
+
+
+def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict, flow_run_id: str | None,
+                model_uri: str, model_dir: str) -> tuple[Tracker, lineage.RunRecord]:
+    """A run's first attempt: pin its start model (and, in a lineage, its parent run and data cursor), then create
+    its MLflow run and write its record."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    model_uri, model_dir = lineage.start_model(config, client, lineage.cache_root(config))
-    model_dir = resolve_model_path(model_dir)  # "tiny" -> its folder
     parent = None
     if config.trainer.lineage:
         found = client.get_experiment_by_name(experiment)
@@ -543,6 +622,7 @@ def _restore(run: Run, path: str, state: dict) -> None:
     run.loader.load_state_dict(state["loader"])
     run.kl_ctrl_state = state["kl_ctrl_state"]
     run.start_step = state["step"] + 1
+    run.last_checkpoint = path
 
 
 def reap_orphaned_ray_agents() -> list[int]:
@@ -577,9 +657,10 @@ def _summary(metrics: dict) -> str:
 
 
 def _service_env() -> dict[str, str]:
-    """Environment every Ray worker (on every node) gets: where the services are, where the tiny model lives."""
-    return {k: os.environ[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
-            if k in os.environ}
+    """Environment every Ray worker (on every node) gets: where the services are, where the tiny model lives,
+    how to reach the object store."""
+    return {**{k: os.environ[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
+               if k in os.environ}, **storage_env()}
 
 
 def ray_task_runner(address: str | None = None, num_cpus: int | None = None):

@@ -17,6 +17,8 @@ import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from rlworkers.storage import local_dir
+
 logger = logging.getLogger(__name__)
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /:]")
@@ -91,8 +93,9 @@ class Tracker:
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        with local_dir(model_dir) as folder:  # s3://... runs_dir: a temporary local copy
+            model = AutoModelForCausalLM.from_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer}, name="model", task="text-generation",
@@ -161,8 +164,13 @@ def failed_stages(step: int, wait_s: float = 10.0) -> list[str]:
 
     Task-run states reach the Prefect server as events, a moment after the failure: wait up to ``wait_s``."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, \
-        TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.runtime import flow_run
 

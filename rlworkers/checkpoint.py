@@ -43,6 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 __all__ = [
     "CorruptCheckpointError",
+    "CheckpointSaveError",
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
     "begin_checkpoint",
@@ -79,6 +80,22 @@ class CorruptCheckpointError(ValueError):
 
     def __reduce__(self):  # rebuilt from its fields when Ray or Prefect re-raise it in another process
         return type(self), (self.step_dir, self.problem)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving ``step_dir`` failed (the store refused a write, the network dropped...). Nothing committed before
+    it was touched: ``previous`` is the newest good checkpoint (None if there is none yet)."""
+
+    def __init__(self, step_dir: str, previous: str | None, cause: str):
+        self.step_dir, self.previous, self.cause = step_dir, previous, cause
+        kept = f"the newest good checkpoint is still {previous}" if previous else "no earlier checkpoint exists"
+        super().__init__(f"could not save checkpoint {step_dir}: {cause}. Nothing was lost: the partial folder is "
+                         f"never loaded and {kept}. Fix: check that trainer.runs_dir is reachable and writable "
+                         "(credentials, quota, network), then run again: the run resumes from "
+                         f"{previous or 'its start'}.")
+
+    def __reduce__(self):
+        return type(self), (self.step_dir, self.previous, self.cause)
 
 
 # ----------------------------------------------------------------------------------------------- paths / io

@@ -34,7 +34,8 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from tensordict import TensorDict
 
-__all__ = ["DataProto", "DataProtoItem", "DataProtoFuture", "plan_shard", "pad_dataproto_to_divisor", "unpad_dataproto", "union_two_dict"]
+__all__ = ["DataProto", "DataProtoItem", "DataProtoFuture", "plan_shard", "pad_dataproto_to_divisor", "unpad_dataproto",
+           "union_two_dict"]
 
 _FORMAT_VERSION = "rlflow.dataproto/1"
 
@@ -315,7 +316,8 @@ class DataProto:
         header = {
             "format": _FORMAT_VERSION,
             "length": len(self),
-            "non_tensor_batch": {k: _to_json(v.tolist(), f"non_tensor_batch[{k!r}]") for k, v in self.non_tensor_batch.items()},
+            "non_tensor_batch": {k: _to_json(v.tolist(), f"non_tensor_batch[{k!r}]")
+                                 for k, v in self.non_tensor_batch.items()},
             "meta_info": _to_json(self.meta_info, "meta_info"),
         }
         payload = safetensors_save(tensors, metadata={"rlflow": json.dumps(header)})
@@ -383,7 +385,8 @@ def _merge_meta(metas: Sequence[dict]) -> dict:
                 for name, metric in value.items():
                     metrics.setdefault(name, []).extend(metric if isinstance(metric, list) else [metric])
             elif key in merged and not _values_equal(merged[key], value):
-                raise ValueError(f"cannot concat: meta_info[{key!r}] differs between parts ({merged[key]!r} vs {value!r})")
+                raise ValueError(f"cannot concat: meta_info[{key!r}] differs between parts "
+                                 f"({merged[key]!r} vs {value!r})")
             else:
                 merged[key] = value
     if metrics:

@@ -1,10 +1,14 @@
 """Fault injection from outside the process under test, as the kernel or an operator would do it: find a Ray
-worker by what it is doing right now (Ray titles a busy actor process ``ray::<Class>.<method>``) and signal it."""
+worker by what it is doing right now (Ray titles a busy actor process ``ray::<Class>.<method>``) and signal it;
+cut the network between the run and its object store (``TcpProxy``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -66,3 +70,67 @@ def after(injector: Injector, count: int) -> Callable[[], bool]:
         return len(hit) == count and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() !=
                                              psutil.STATUS_ZOMBIE for _, pid, _ in hit)
     return ready
+
+
+class TcpProxy(threading.Thread):
+    """A TCP relay on 127.0.0.1 in front of ``target_port``: clients connect to ``port``. ``cut()`` is a network
+    partition as an operator would make one (every open connection reset, new ones refused at once);
+    ``restore()`` ends it."""
+
+    def __init__(self, target_port: int):
+        super().__init__(daemon=True)
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.is_cut = threading.Event()
+        self._halt = threading.Event()
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                continue
+            if self.is_cut.is_set():
+                _reset(client)
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._open += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self.is_cut.set()
+        with self._lock:
+            for sock in self._open:
+                _reset(sock)
+            self._open.clear()
+
+    def restore(self) -> None:
+        self.is_cut.clear()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.cut()
+        self.listener.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+        sock.close()

@@ -20,8 +20,15 @@ from flows.lineage import ModelReferenceError, RestartBudgetExhausted, RunAlread
 from flows.runtime import FaultBudgetExhausted, StepFailed
 from flows.services import ServiceError
 from rlworkers.checkpoint import CorruptCheckpointError
-from rlworkers.single_controller import Dispatch, PlacementError, StageTimeout, Worker, WorkerError, \
-    WorkerProcess, register
+from rlworkers.single_controller import (
+    Dispatch,
+    PlacementError,
+    StageTimeout,
+    Worker,
+    WorkerError,
+    WorkerProcess,
+    register,
+)
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 PROCESS = WorkerProcess(worker_class="ActorWorker", actor_name="abc_ActorWorker_0:1", pid=4242, node_ip="10.0.0.2",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import Injector, after, busy_worker, checkpoint_exists
 from mlflow.tracking import MlflowClient
 from prefect_ray import RayTaskRunner
 from safetensors.torch import load_file
@@ -28,7 +29,6 @@ from flows.grpo import grpo
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
 from flows.sft import sft
-from faults import Injector, after, busy_worker, checkpoint_exists
 from rlworkers.checkpoint import list_checkpoints
 from rlworkers.models.tiny import ensure_tiny_model
 
@@ -47,7 +47,8 @@ def small_config(env, name: str, *extra: str):
         f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.run_name={name}",
         "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=2", "trainer.keep_last_checkpoints=2",
         "data.train_batch_size=8", "data.val_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=8",
+        "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_mini_batch_size=16",
+        "critic.ppo_micro_batch_size_per_gpu=8",
         "trainer.log_samples=4", "trainer.log_model=false", *extra])
 
 
@@ -84,7 +85,8 @@ def test_grpo_flow_end_to_end(env):
 
     flow_run, task_runs, artifacts = asyncio.run(prefect_view(state.state_details.flow_run_id))
     per_stage = Counter(task_run.name.split("-step-")[0] for task_run in task_runs)
-    assert {t.name for t in task_runs if t.name.startswith("update_actor")} == {f"update_actor-step-{s}" for s in (1, 2, 3)}
+    updates = {t.name for t in task_runs if t.name.startswith("update_actor")}
+    assert updates == {f"update_actor-step-{s}" for s in (1, 2, 3)}
     for stage in ("generate_sequences", "compute_reward", "compute_log_prob", "compute_ref_log_prob",
                   "compute_advantage", "update_actor"):
         assert per_stage.get(stage) == 3, (stage, per_stage)  # one task run per stage per step
@@ -196,11 +198,71 @@ def test_an_error_with_every_worker_alive_fails_at_once(env, tmp_path):
     assert not client.get_metric_history(run.info.run_id, "fault/restarts")
 
 
+def test_bad_model_or_data_fail_before_any_worker_or_mlflow_run(env, tmp_path):
+    long_prompts = tmp_path / "prompts.jsonl"
+    long_prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n' + '{"prompt": "' + "9" * 80 + '=", "answer": "1"}\n')
+    cases = [("model.path=/no/such/model", "model.path='/no/such/model': no such folder"),
+             (f"data.train_files=[{long_prompts}]", "prompts.jsonl line 2: the prompt has 82 tokens, more than "
+                                                     "data.max_prompt_length=16")]
+    for override, message in cases:
+        name = f"bad-input-{uuid.uuid4().hex[:6]}"
+        state = grpo.with_options(task_runner=RayTaskRunner())(config=small_config(env, name, override),
+                                                               return_state=True)
+        assert state.is_failed() and message in state.message, state.message
+        experiment = MlflowClient().get_experiment_by_name("rlflow")
+        assert not MlflowClient().search_runs([experiment.experiment_id],
+                                              filter_string=f"tags.`rlflow.run_name` = '{name}'")
+
+
+def test_tracking_servers_that_stop_answering_mid_run_are_waited_for(env, services):
+    """Prefect and MLflow both stop answering for 20 s (SIGSTOP of their process groups, as a stalled host or a
+    full disk would) after the step-2 checkpoint: the run waits for them and ends Completed, with every step's
+    metrics in MLflow and every task run in Prefect."""
+    import os
+    import threading
+    import time
+
+    name = f"stall-{uuid.uuid4().hex[:6]}"
+    config = small_config(env, name, "trainer.total_steps=4", "trainer.test_freq=0")
+    groups = [services["prefect_pid"], services["mlflow_pid"]]
+    stalled = []
+
+    def stall():
+        ready = checkpoint_exists(runs_root(config), 2)
+        deadline = time.monotonic() + 600
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for group in groups:
+            os.killpg(group, signal.SIGSTOP)
+        stalled.append(time.monotonic())
+        time.sleep(20)
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
+
+    staller = threading.Thread(target=stall, daemon=True)
+    staller.start()
+    try:
+        state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    finally:
+        staller.join(60)
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
+    assert stalled, "the servers were never stopped"
+    assert state.is_completed(), state.message
+    client, run = mlflow_run(name)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [1, 2, 3, 4]
+    _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
+    assert {t.name for t in task_runs if t.name.startswith("update_actor")} == {f"update_actor-step-{s}"
+                                                                                for s in (1, 2, 3, 4)}
+
+
 def test_corrupt_checkpoint_falls_back_to_previous(env):
     name = f"corrupt-{uuid.uuid4().hex[:6]}"
     config = small_config(env, name, "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=0",
                           "trainer.keep_last_checkpoints=0")
-    state, _ = run_flow("sft", config.model_copy(update={"data": config.data.model_copy(update={"train_batch_size": 16})}))
+    data = config.data.model_copy(update={"train_batch_size": 16})
+    state, _ = run_flow("sft", config.model_copy(update={"data": data}))
     assert state.is_completed()
     root = f"{runs_root(config)}/checkpoints"
     weights = Path(root) / "step_2" / "actor" / "model.safetensors"

@@ -159,6 +159,20 @@ def test_jsonl_reads_rows_and_custom_prompt_key(tmp_path):
     assert [r["answer"] for r in rows] == ["1", "2", "3", "4"]
 
 
+def test_prompts_longer_than_the_limit_are_named_before_training(tmp_path, tiny):
+    _, tokenizer = tiny  # BOS + one token per character
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1+1="}\n\n{"prompt": "12345+67890="}\n{"prompt": "99+1="}\n')
+    assert len(load_prompt_dataset(path, tokenizer=tokenizer, max_prompt_length=13)) == 3
+    with pytest.raises(ValueError, match=r"p\.jsonl line 3: the prompt has 13 tokens, more than "
+                                         r"data\.max_prompt_length=8 \(1 row\(s\) of this file"):
+        load_prompt_dataset(path, tokenizer=tokenizer, max_prompt_length=8)
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1="}, {"prompt": "123+456="}]), parquet)
+    with pytest.raises(ValueError, match=r"p\.parquet row 1 \(0-based\): the prompt has 9 tokens"):
+        load_prompt_dataset(parquet, tokenizer=tokenizer, max_prompt_length=8)
+
+
 def test_parquet_missing_prompt_column(tmp_path):
     path = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": "1+1=", "answer": "2"}]), path)

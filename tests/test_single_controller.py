@@ -305,6 +305,24 @@ def test_all_reduce_over_gloo(ray_cluster):
         pool.remove()
 
 
+def test_a_group_binds_its_own_rendezvous_whatever_its_processes_inherit(ray_cluster):
+    """Ray's processes inherit the environment of the process that started Ray: MASTER_PORT from torchrun, or from
+    a Worker that ran in that process. Rank 0 must still bind a store of its own (a stale one hung init)."""
+    stale = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    inherited = RayClassWithInitArgs(cls=Distributed)
+    inherited.update_options({"runtime_env": {"env_vars": {"MASTER_ADDR": "127.0.0.1",
+                                                           "MASTER_PORT": str(stale.port)}}})
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=inherited)
+    try:
+        ports = {port for _, port in group.execute_all_sync("get_master_addr_port")}
+        assert len(ports) == 1 and str(stale.port) not in ports, ports
+        assert group.all_reduce() == [("gloo", 3.0), ("gloo", 3.0)]
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 def test_unplaceable_pool_fails_at_once(ray_cluster):
     started = time.monotonic()
     with pytest.raises(PlacementError) as info:

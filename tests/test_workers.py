@@ -6,6 +6,7 @@ run them as a 2-worker group on real Ray.
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -118,8 +119,8 @@ def test_kl_loss_and_gspo_paths(tiny_path):
 
 
 def test_sft_lowers_loss(tiny_path):
-    w = ActorRolloutRefWorker(worker_config(tiny_path, actor={"ppo_mini_batch_size": 32, "ppo_micro_batch_size_per_gpu": 32}),
-                              role="actor")
+    config = worker_config(tiny_path, actor={"ppo_mini_batch_size": 32, "ppo_micro_batch_size_per_gpu": 32})
+    w = ActorRolloutRefWorker(config, role="actor")
     w.init_model()
     rng = random.Random(0)
     losses = [w.sft_step(sft_batch(rng.sample(ROWS["train"], 32), w.tokenizer)).meta_info["metrics"]["sft/loss"]
@@ -142,14 +143,28 @@ def test_role_is_checked(tiny_path):
         ActorRolloutRefWorker(worker_config(tiny_path), role="critic")
 
 
+def test_batches_move_to_the_worker_device_without_touching_the_callers(worker):
+    from rlworkers.workers import common
+
+    batch = prompt_batch(ROWS["train"][:3], worker.tokenizer)
+    moved = common.to_device(batch, "meta")  # any device other than the caller's
+    assert moved.batch["input_ids"].device.type == "meta" and batch.batch["input_ids"].device.type == "cpu"
+    assert moved.non_tensor_batch is batch.non_tensor_batch and moved.meta_info is batch.meta_info
+    assert common.to_device(batch, "cpu") is batch
+
+
 def test_checkpoint_round_trip(worker, tmp_path):
     out = generated(worker)
     out.union(worker.compute_log_prob(out))
     out.batch["advantages"] = torch.randn(len(out), 5) * out.batch["response_mask"]
     worker.update_actor(out)
     saved = worker.get_weights_checksum()
-    written = worker.save_checkpoint(str(tmp_path / "ckpt"))
-    assert any(p.endswith("actor_state_rank_0.pt") for p in written)
+    worker.save_checkpoint(str(tmp_path / "ckpt"))
+    assert {"model.safetensors", "tokenizer_config.json", "actor_state_rank_0.pt"} <= set(os.listdir(tmp_path / "ckpt"))
+    worker.save_model(str(tmp_path / "model"))  # what is published: the model and its tokenizer only
+    published = set(os.listdir(tmp_path / "model"))
+    assert {"model.safetensors", "config.json", "tokenizer_config.json"} <= published
+    assert not any(name.endswith(".pt") for name in published), published
     worker.update_actor(out)
     assert worker.get_weights_checksum() != saved
     worker.load_checkpoint(str(tmp_path / "ckpt"))

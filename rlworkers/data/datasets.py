@@ -33,12 +33,16 @@ def load_prompt_dataset(
     prompt_key: str = "prompt",
     required_columns: Sequence[str] = (),
     max_rows: int | None = None,
+    tokenizer=None,
+    max_prompt_length: int | None = None,
 ) -> list[dict]:
     """Read prompt rows from parquet or jsonl files (chosen by extension); several files are concatenated.
+    With ``tokenizer`` and ``max_prompt_length``, every prompt is also checked to fit (before any training starts,
+    rather than failing at the batch that happens to hold it).
 
     Raises:
-        ValueError: unknown extension, unreadable JSON line, missing column, or a prompt that is not a
-            non-empty string; the message names the file and the line/row.
+        ValueError: unknown extension, unreadable JSON line, missing column, a prompt that is not a non-empty
+            string, or one longer than ``max_prompt_length`` tokens; the message names the file and the line/row.
         FileNotFoundError: a file does not exist.
     """
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -47,14 +51,28 @@ def load_prompt_dataset(
     columns = (prompt_key, *[c for c in required_columns if c != prompt_key])
     rows: list[dict] = []
     for one in paths:
-        rows.extend(_read_file(os.fspath(one), columns))
+        found, where = _read_file(os.fspath(one), columns)
+        if tokenizer is not None and max_prompt_length is not None:
+            _check_prompt_lengths([row[prompt_key] for row in found], where, tokenizer, max_prompt_length)
+        rows.extend(found)
     if not rows:
         raise ValueError(f"no rows in {[os.fspath(p) for p in paths]}; the dataset must hold at least one prompt")
     logger.info("loaded %d prompt rows from %d file(s)", len(rows), len(paths))
     return rows[:max_rows] if max_rows is not None else rows
 
 
-def _read_file(path: str, columns: tuple[str, ...]) -> list[dict]:
+def _check_prompt_lengths(prompts: list[str], where: list[str], tokenizer, max_prompt_length: int) -> None:
+    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []
+    too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
+    if too_long:
+        first = too_long[0]
+        raise ValueError(f"{where[first]}: the prompt has {lengths[first]} tokens, more than data.max_prompt_length="
+                         f"{max_prompt_length} ({len(too_long)} row(s) of this file are too long, the longest has "
+                         f"{max(lengths)} tokens). Fix: raise data.max_prompt_length, or shorten or drop those rows")
+
+
+def _read_file(path: str, columns: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+    """The rows of one file and, for each, where it is (``<file> line N`` / ``<file> row N``)."""
     lowered = path.lower()
     if lowered.endswith(PARQUET_SUFFIXES):
         return _read_parquet(path, columns)
@@ -75,21 +93,22 @@ def _read_parquet(path: str, columns: tuple[str, ...]) -> list[dict]:
             f"Fix: rename the column in the file, or pass prompt_key=/required_columns= matching it"
         )
     rows = table.to_pylist()
-    for index, row in enumerate(rows):
-        _check_row(row, f"{path} row {index} (0-based)", columns)
-    return rows
+    where = [f"{path} row {index} (0-based)" for index in range(len(rows))]
+    for row, at in zip(rows, where):
+        _check_row(row, at, columns)
+    return rows, where
 
 
-def _read_jsonl(path: str, columns: tuple[str, ...]) -> list[dict]:
-    rows = []
+def _read_jsonl(path: str, columns: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+    rows, where = [], []
     with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (a trailing newline, say) carry no row
-            where = f"{path} line {line_number}"
-            rows.append(_parse_json_line(line, where))
-            _check_row(rows[-1], where, columns)
-    return rows
+            where.append(f"{path} line {line_number}")
+            rows.append(_parse_json_line(line, where[-1]))
+            _check_row(rows[-1], where[-1], columns)
+    return rows, where
 
 
 def _parse_json_line(line: str, where: str) -> dict:

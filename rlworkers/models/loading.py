@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlworkers.models.tiny import ensure_tiny_model
+from rlworkers.storage import cached_copy, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,15 @@ def default_tiny_model_dir() -> Path:
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     """Return what to hand to ``from_pretrained``: the tiny model's folder for ``"tiny"``/``"tiny:DIR"``
-    (creating it if missing), otherwise ``name_or_path`` unchanged."""
+    (creating it if missing), a local cached copy for a folder on object storage (``s3://...``), otherwise
+    ``name_or_path`` unchanged."""
     name = os.fspath(name_or_path)
     if name == TINY_MODEL_NAME:
         return str(ensure_tiny_model(default_tiny_model_dir()))
     if name.startswith(TINY_MODEL_NAME + ":"):
         return str(ensure_tiny_model(name.split(":", 1)[1]))
+    if is_remote(name):
+        return cached_copy(name)
     return name
 
 

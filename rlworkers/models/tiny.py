@@ -7,8 +7,9 @@ tests use a model built here from nothing:
   newline) plus the special tokens ``<pad>`` (id 0), ``<bos>`` (1), ``<eos>`` (2), ``<unk>`` (3), built with the
   ``tokenizers`` library and wrapped in ``PreTrainedTokenizerFast``. Encoding prepends ``<bos>``; decoding
   concatenates characters, so ``decode(encode(s), skip_special_tokens=True) == s`` for text in the vocabulary.
-- model: a standard ``LlamaConfig`` / ``LlamaForCausalLM`` (4 layers, hidden 256 by default (2.6M parameters: learns 2-digit addition in a few CPU minutes), head_dim 64,
-  randomly initialised from ``seed``), saved as ``model.safetensors``.
+- model: a standard ``LlamaConfig`` / ``LlamaForCausalLM`` (4 layers, hidden 256 by default (2.6M parameters: learns
+  2-digit addition in a few CPU minutes), head_dim 64, randomly initialised from ``seed``), saved as
+  ``model.safetensors``.
 
 Both are written with ``save_pretrained`` so ``AutoModelForCausalLM.from_pretrained(path)`` and
 ``AutoTokenizer.from_pretrained(path)`` load them offline, and so does vLLM (standard Llama, safetensors).

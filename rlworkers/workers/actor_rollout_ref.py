@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import defaultdict
 
 import numpy as np
@@ -69,7 +68,8 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, path)
         if self._is_ref:
-            self.ref_model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+            self.ref_model = load_model(path, dtype=dtype,
+                                        trust_remote_code=cfg.model.trust_remote_code).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         common.seed_everything(cfg.seed + 1000 * (self.rank + 1))  # different samples on every rank
 
@@ -78,28 +78,31 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """``input_ids``/``attention_mask`` of left-padded prompts -> sampled responses (see ``rollout``)."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
-        return self.rollout.generate_sequences(prompts)
+        return self.rollout.generate_sequences(common.to_device(prompts, self.device)).to("cpu")
 
     # ------------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs [B, R]`` and ``entropys [B, R]`` of ``responses`` under the current actor."""
         self._require(self._is_actor, "compute_log_prob", "actor")
+        data = common.to_device(data, self.device)
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
         with torch.no_grad():
             log_probs, entropy = common.response_log_probs(
                 self.model, data, temperature, self.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=True)
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": temperature})
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy},
+                                   meta_info={"temperature": temperature}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob [B, R]`` under the frozen reference policy."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
+        data = common.to_device(data, self.device)
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
         with torch.no_grad():
             log_probs, _ = common.response_log_probs(self.ref_model, data, temperature,
                                                      self.config.ref_micro_batch_size_per_gpu)
-        return DataProto.from_dict({"ref_log_prob": log_probs})
+        return DataProto.from_dict({"ref_log_prob": log_probs}).to("cpu")
 
     # ------------------------------------------------------------------------------------------------ training
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -110,6 +113,7 @@ class ActorRolloutRefWorker(Worker):
         (+ ``ref_log_prob`` with ``use_kl_loss``). Returns ``meta_info["metrics"]`` with verl's names.
         """
         self._require(self._is_actor, "update_actor", "actor")
+        data = common.to_device(data, self.device)
         cfg = self.config.actor
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
         mini_size = common.per_rank_batch_size(cfg.ppo_mini_batch_size, self.world_size, "actor.ppo_mini_batch_size")
@@ -163,6 +167,7 @@ class ActorRolloutRefWorker(Worker):
         (the controller keeps pairs on one worker). Needs ``ref_log_prob``; ``meta_info["dpo_beta"]``.
         """
         self._require(self._is_actor, "update_actor_dpo", "actor")
+        data = common.to_device(data, self.device)
         if len(data) % 2:
             raise ValueError(f"update_actor_dpo needs (chosen, rejected) row pairs; got {len(data)} rows")
         beta = float(data.meta_info.get("dpo_beta", 0.1))
@@ -198,6 +203,7 @@ class ActorRolloutRefWorker(Worker):
         """One optimizer step of next-token cross-entropy on ``loss_mask`` tokens (``input_ids [B, T]``,
         ``attention_mask``, ``position_ids``, ``loss_mask``: 1 where the token is a target)."""
         self._require(self._is_actor, "sft_step", "actor")
+        data = common.to_device(data, self.device)
         self.module.train()
         self.optimizer.zero_grad()
         micros = data.split(self.config.actor.ppo_micro_batch_size_per_gpu)
@@ -238,38 +244,36 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------------------------------------ state
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str) -> list[str]:
-        """Weights (HF format, safetensors) and tokenizer from rank 0; optimizer, scheduler and RNG per rank."""
-        written = []
+    def save_model(self, path: str) -> None:
+        """The policy (or, on a reference-only worker, the reference) and its tokenizer as an HF folder, from rank
+        0: what is published and registered, nothing else."""
         if self.rank == 0:
-            os.makedirs(local_path, exist_ok=True)
             model = self.model if (self._is_actor or self._is_rollout) else self.ref_model
-            model.save_pretrained(local_path, safe_serialization=True)
-            self.tokenizer.save_pretrained(local_path)
-            written.append(local_path)
-        if self._is_actor:
-            path = os.path.join(local_path, f"actor_state_rank_{self.rank}.pt")
-            common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                               "update_steps": self.update_steps,
-                               "rng": common.rng_state_to_tensors(common.rng_state())}, path)
-            written.append(path)
-        return written
+            common.save_model(model, self.tokenizer, path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
-        """Load weights from an HF-format folder (and, for the actor, this rank's optimizer/scheduler/RNG)."""
-        from safetensors.torch import load_file
+    def save_checkpoint(self, path: str) -> None:
+        """The model folder (``save_model``) plus each rank's optimizer, scheduler and RNG state."""
+        self.save_model(path)
+        if self._is_actor:
+            common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                               "update_steps": self.update_steps,
+                               "rng": common.rng_state_to_tensors(common.rng_state())},
+                              f"{path}/actor_state_rank_{self.rank}.pt")
 
-        state = load_file(os.path.join(local_path, "model.safetensors"))
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        """Load weights from an HF-format folder (and, for the actor, this rank's optimizer/scheduler/RNG)."""
+        state = common.load_weights(path)
         for model in self._models():
             missing, unexpected = model.load_state_dict(state, strict=False)
             real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
             if real_missing or unexpected:
-                raise ValueError(f"{local_path}: checkpoint does not match the model (missing {real_missing[:5]}, "
+                raise ValueError(f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, "
                                  f"unexpected {unexpected[:5]})")
         self._sync_rollout_weights()
         if self._is_actor and load_optimizer:
-            saved = common.load_torch(os.path.join(local_path, f"actor_state_rank_{self.rank}.pt"))
+            saved = common.load_torch(f"{path}/actor_state_rank_{self.rank}.pt")
             self.optimizer.load_state_dict(saved["optimizer"])
             self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
             self.update_steps = saved["update_steps"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+
 import fsspec
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from rlworkers.algorithms.utils import entropy_from_logits
 from rlworkers.protocol import DataProto
+from rlworkers.storage import staged_dir
 from rlworkers.workers.config import OptimConfig
 
 
@@ -54,6 +56,14 @@ def mini_batches(data: DataProto, mini_batch_size: int, shuffle: bool, generator
     return data.split(mini_batch_size)
 
 
+def to_device(data: DataProto, device: str) -> DataProto:
+    """``data`` with its tensors on ``device`` (batches arrive from the controller on CPU); the caller's object is
+    left as it is. Worker methods return their results on CPU: they travel back through Ray."""
+    if data.batch is None or device == "cpu":
+        return data
+    return DataProto(batch=data.batch.to(device), non_tensor_batch=data.non_tensor_batch, meta_info=data.meta_info)
+
+
 def per_rank_batch_size(total: int, world_size: int, what: str) -> int:
     if total % world_size:
         raise ValueError(f"{what} ({total}) must be divisible by the number of workers ({world_size})")
@@ -73,7 +83,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig):
             return (step + 1) / config.lr_warmup_steps
         if config.lr_scheduler == "constant":
             return 1.0
-        progress = min(1.0, (step - config.lr_warmup_steps) / max(1, config.total_training_steps - config.lr_warmup_steps))
+        decay_steps = max(1, config.total_training_steps - config.lr_warmup_steps)
+        progress = min(1.0, (step - config.lr_warmup_steps) / decay_steps)
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_scheduler == "cosine" else 1 - progress
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * decay
 
@@ -142,3 +153,19 @@ def load_torch(path: str):
     """Load optimizer/scheduler/RNG state without unpickling arbitrary objects."""
     with fsspec.open(path, "rb") as f:
         return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def load_weights(folder: str) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` of an HF folder on any fsspec path (safetensors: no code runs on load)."""
+    from safetensors.torch import load
+
+    with fsspec.open(f"{folder.rstrip('/')}/model.safetensors", "rb") as f:
+        return load(f.read())
+
+
+def save_model(model, tokenizer, folder: str) -> None:
+    """Weights (safetensors) and, if given, the tokenizer as an HF folder on any fsspec path."""
+    with staged_dir(folder) as local:
+        model.save_pretrained(local, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(local)

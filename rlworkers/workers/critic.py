@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import defaultdict
 
 import numpy as np
@@ -51,14 +50,16 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
+        data = common.to_device(data, self.device)
         with torch.no_grad():
             values = torch.cat([self._values(self.model, micro.batch)
                                 for micro in data.split(self.config.ppo_micro_batch_size_per_gpu)])
-        return DataProto.from_dict({"values": values})
+        return DataProto.from_dict({"values": values}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Needs ``input_ids, attention_mask, position_ids, responses, response_mask, values, returns``."""
+        data = common.to_device(data, self.device)
         cfg = self.config
         mini_size = common.per_rank_batch_size(cfg.ppo_mini_batch_size, self.world_size, "critic.ppo_mini_batch_size")
         generator = torch.Generator().manual_seed(self.seed)
@@ -90,19 +91,16 @@ class CriticWorker(Worker):
         return DataProto(meta_info={"metrics": {k: float(np.mean(v)) for k, v in metrics.items()}})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str) -> None:
-        os.makedirs(local_path, exist_ok=True)
+    def save_checkpoint(self, path: str) -> None:
         if self.rank == 0:
-            self.model.save_pretrained(local_path, safe_serialization=True)
+            common.save_model(self.model, None, path)
         common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
-                          os.path.join(local_path, f"critic_state_rank_{self.rank}.pt"))
+                          f"{path}/critic_state_rank_{self.rank}.pt")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str, load_optimizer: bool = True) -> None:
-        from safetensors.torch import load_file
-
-        self.model.load_state_dict(load_file(os.path.join(local_path, "model.safetensors")))
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        self.model.load_state_dict(common.load_weights(path))
         if load_optimizer:
-            saved = common.load_torch(os.path.join(local_path, f"critic_state_rank_{self.rank}.pt"))
+            saved = common.load_torch(f"{path}/critic_state_rank_{self.rank}.pt")
             self.optimizer.load_state_dict(saved["optimizer"])
             self.lr_scheduler.load_state_dict(saved["lr_scheduler"])

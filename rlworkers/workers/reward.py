@@ -8,8 +8,8 @@ and are loaded only from a registered name or an explicitly named file/module (`
 from __future__ import annotations
 
 import json
-import os
 
+import fsspec
 import numpy as np
 import torch
 
@@ -60,18 +60,17 @@ class RewardWorker(Worker):
                                    {"score": np.array(scores, dtype=object)})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str) -> None:
+    def save_checkpoint(self, path: str) -> None:
         """The reward is frozen: record what it was (rule spec or model path) so a resume can check it."""
         if self.rank == 0:
-            os.makedirs(local_path, exist_ok=True)
-            with open(os.path.join(local_path, "reward.json"), "w") as f:
+            with fsspec.open(f"{path}/reward.json", "w") as f:
                 json.dump(self.config.model_dump(mode="json"), f)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str) -> None:
+    def load_checkpoint(self, path: str) -> None:
         """Refuse to resume a run whose reward differs from the one it was trained with."""
-        with open(os.path.join(local_path, "reward.json")) as f:
+        with fsspec.open(f"{path}/reward.json") as f:
             saved = json.load(f)
         if saved != self.config.model_dump(mode="json"):
-            raise ValueError(f"{local_path}: the run was trained with reward {saved}, this config has "
+            raise ValueError(f"{path}: the run was trained with reward {saved}, this config has "
                              f"{self.config.model_dump(mode='json')}; resume with the same reward settings")

@@ -53,9 +53,9 @@ class Worker:
         self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-        if self._rank == 0 and "MASTER_PORT" not in os.environ:
+        if self._rank == 0 and not os.environ.get("MASTER_PORT"):  # a group's rank 0 gets it empty: see below
             _start_rendezvous_store(self._world_size)
-        elif "MASTER_PORT" in os.environ:
+        elif os.environ.get("MASTER_PORT"):
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
         self._master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")

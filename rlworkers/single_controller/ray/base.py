@@ -21,8 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlworkers.protocol import DataProto, DataProtoFuture
 from rlworkers.single_controller.base.decorator import WITH_LEN_KEY, Execute, collect_dp_compute_data_proto
 from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
-from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, \
-    get_with_rank
+from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, get_with_rank
 
 
 class RayResourcePool(ResourcePool):
@@ -251,6 +250,8 @@ class RayWorkerGroup(WorkerGroup):
                        **worker_env}
                 if rank > 0:
                     env.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port))
+                else:  # rank 0 binds a new store: never one named by what Ray's processes inherited (a driver
+                    env.update(MASTER_ADDR="", MASTER_PORT="")  # under torchrun, or one that ran a Worker itself)
                 name = f"{self.name_prefix}{cls_name}_{pg_idx}:{local_rank}"
                 worker = self.ray_cls_with_init(pg, local_rank, use_gpu=pool.use_gpu, num_gpus=num_gpus,
                                                 num_cpus=pool.cpus_per_worker, env_vars=env, name=name,

@@ -65,8 +65,8 @@ import torch
 from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing vLLM into an install hint
 
 from rlworkers.protocol import DataProto
-from rlworkers.workers.rollout import rollout_output, sampling_request
 from rlworkers.workers.config import RolloutConfig
+from rlworkers.workers.rollout import rollout_output, sampling_request
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,118 @@
+"""The CUDA paths of the actor worker on one GPU: the model in bf16 and in float32, an nccl process group, HF
+generate, log-probs, the reference, a GRPO update and a checkpoint round trip, with the checks a GPU run must pass
+and the time of each stage. Ray, Prefect and MLflow are not needed (the worker runs in this process, rank 0 of 1),
+so it runs on a bare GPU machine with torch, transformers, tensordict and pydantic.
+
+    python bench/gpu_check.py [--layers 12] [--hidden 768] [--prompts 64] [--n 8] [--response-length 64] [--steps 4]
+
+Prints one table per dtype and ends with the bf16 / float32 time ratio of each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from rlworkers.algorithms import core_algos
+from rlworkers.data.batching import prompt_batch
+from rlworkers.data.synthetic import addition_rows
+from rlworkers.models.tiny import ensure_tiny_model
+from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
+from rlworkers.workers.config import WorkerConfig
+
+
+def timed(fn, *args):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def run(dtype: str, path: str, args) -> dict[str, float]:
+    total = args.prompts * args.n
+    config = WorkerConfig.model_validate({
+        "model": {"path": path, "dtype": dtype}, "device": args.device,
+        "rollout": {"response_length": args.response_length, "n": args.n, "log_prob_micro_batch_size_per_gpu": 64},
+        "actor": {"ppo_mini_batch_size": total // 2, "ppo_micro_batch_size_per_gpu": min(32, total // 2),
+                  "use_kl_loss": True, "optim": {"lr": 1e-5}}})
+    worker = ActorRolloutRefWorker(config, role="actor_rollout_ref")
+    worker.init_model()
+    assert torch.distributed.get_backend() == ("nccl" if args.device == "cuda" else "gloo")
+    assert next(worker.model.parameters()).dtype == getattr(torch, dtype)
+    assert next(worker.model.parameters()).device.type == args.device
+    prompts = prompt_batch(addition_rows(num_train=args.prompts, num_val=1, max_digits=3, seed=0)["train"],
+                           worker.tokenizer)
+    prompts.meta_info["n"] = args.n
+    times = {k: [] for k in ("generate", "log_prob", "ref_log_prob", "update")}
+    gaps, losses = [], []
+    for step in range(args.steps + 1):  # step 0 warms up (CUDA context, kernels, allocator)
+        gen, t_gen = timed(worker.generate_sequences, prompts)
+        old, t_lp = timed(worker.compute_log_prob, gen)
+        ref, t_ref = timed(worker.compute_ref_log_prob, gen)
+        gen.union(old)
+        gen.union(ref)
+        mask = gen.batch["response_mask"].bool()
+        gaps.append(float((gen.batch["rollout_log_probs"] - gen.batch["old_log_probs"])[mask].abs().max()))
+        scores = torch.randn(len(gen))  # the reward does not matter for the mechanics
+        token_scores = scores[:, None] * gen.batch["response_mask"]
+        advantages, _ = core_algos.compute_grpo_outcome_advantage(token_scores, gen.batch["response_mask"],
+                                                                  gen.non_tensor_batch["uid"])
+        gen.batch["advantages"] = advantages
+        out, t_up = timed(worker.update_actor, gen)
+        losses.append(out.meta_info["metrics"]["actor/pg_loss"])
+        if step:
+            for key, value in zip(times, (t_gen, t_lp, t_ref, t_up)):
+                times[key].append(value)
+    checksum = worker.get_weights_checksum()
+    with tempfile.TemporaryDirectory() as folder:
+        worker.save_checkpoint(folder)
+        worker.update_actor(gen)
+        assert worker.get_weights_checksum() != checksum
+        worker.load_checkpoint(folder)
+        assert worker.get_weights_checksum() == checksum, "checkpoint round trip changed the weights"
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    print(f"\n{dtype}: {total} sequences x {args.response_length} new tokens, {args.steps} steps after a warm-up")
+    for key, values in times.items():
+        print(f"  {key:<13} {statistics.median(values):7.3f} s (median; min {min(values):.3f})")
+    print(f"  max |rollout log-prob - recomputed log-prob| over response tokens: {max(gaps):.2e}")
+    print(f"  pg_loss per step: {', '.join(f'{x:.4f}' for x in losses)}; peak GPU memory {peak:.2f} GiB")
+    print("  checkpoint save -> change -> load restored the weights exactly")
+    del worker
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--response-length", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this check needs a GPU (--device cpu for a dry run)")
+    path = str(ensure_tiny_model(os.path.join(tempfile.gettempdir(), f"rlflow-llama-{args.layers}x{args.hidden}"),
+                                 num_layers=args.layers, hidden_size=args.hidden))
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"{device}, torch {torch.__version__}, random Llama {args.layers}x{args.hidden}")
+    medians = {dtype: run(dtype, path, args) for dtype in ("float32", "bfloat16")}
+    print("\nbf16 / float32 time per stage: " + ", ".join(
+        f"{k} {medians['bfloat16'][k] / medians['float32'][k]:.2f}" for k in medians["float32"]))
+
+
+if __name__ == "__main__":
+    main()
