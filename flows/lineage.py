@@ -290,17 +290,22 @@ def champion_score(client, name: str, alias: str) -> tuple[float | None, str]:
 # ---------------------------------------------------------------------------------------------- attempts
 def count_crashes(flow_run_id) -> int:
     """How often a flow run crashed since a person or a schedule last started it: CRASHED states after its last
-    SCHEDULED state that was not an automatic restart (named "Restarting", see flows/deploy.py)."""
+    SCHEDULED state that was not an automatic restart (named "Restarting", see flows/deploy.py).
+
+    One crash can be reported twice (the process worker and its runner both see the process exit; the second
+    report may land after the automation already set "Restarting"): a CRASHED right after "Restarting", with no
+    attempt in between, is that late report and is not counted."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         states = sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)
-    crashes = 0
+    crashes, previous = 0, None
     for state in states:
         if state.type.value == "SCHEDULED" and state.name != RESTART_STATE_NAME:
             crashes = 0
-        elif state.type.value == "CRASHED":
+        elif state.type.value == "CRASHED" and not (previous is not None and previous.name == RESTART_STATE_NAME):
             crashes += 1
+        previous = state
     return crashes
 
 

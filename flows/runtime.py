@@ -324,8 +324,10 @@ class Run:
         """After a failed step: replace the workers that died or hung, restore every stateful group from the
         newest valid checkpoint (or the start) and rewind ``steps``, at most ``trainer.max_restarts`` times.
 
-        Raises the step's error when every worker is alive (a restart would repeat it), and
-        ``FaultBudgetExhausted`` past the budget."""
+        Raises the step's error when every worker is alive (a restart would repeat it) or when the checkpoint
+        store failed (a restart could not restore from it either), and ``FaultBudgetExhausted`` past the budget."""
+        if isinstance(error, CheckpointSaveError):
+            raise error  # the store failed, not a worker (a rank may still be stuck in its write): no restart
         started = time.perf_counter()
         lost = {name: ranks for name, group in self.groups.items() if (ranks := group.unresponsive_ranks())}
         failures = failed_stages(step) or [f"{type(error).__name__}: {error}"]

@@ -75,11 +75,14 @@ def after(injector: Injector, count: int) -> Callable[[], bool]:
 class TcpProxy(threading.Thread):
     """A TCP relay on 127.0.0.1 in front of ``target_port``: clients connect to ``port``. ``cut()`` is a network
     partition as an operator would make one (every open connection reset, new ones refused at once);
-    ``restore()`` ends it."""
+    ``restore()`` ends it. ``cut_at(marker, nth)`` cuts when the ``nth`` client request containing ``marker``
+    arrives, before it is relayed (the ones before it pass): a partition at an exact point of a protocol,
+    whatever the load on the machine."""
 
     def __init__(self, target_port: int):
         super().__init__(daemon=True)
         self.target_port = target_port
+        self._trigger: tuple[bytes, int] | None = None
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         self.port = self.listener.getsockname()[1]
@@ -101,11 +104,14 @@ class TcpProxy(threading.Thread):
             with self._lock:
                 self._open += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink, source is client), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
+                if from_client and self._triggered(data):
+                    self.cut()
+                    return
                 sink.sendall(data)
         except OSError:
             pass
@@ -113,6 +119,18 @@ class TcpProxy(threading.Thread):
             for sock in (source, sink):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def cut_at(self, marker: bytes, nth: int = 1) -> None:
+        with self._lock:
+            self._trigger = (marker, nth)
+
+    def _triggered(self, data: bytes) -> bool:
+        with self._lock:
+            if self._trigger is None or self._trigger[0] not in data:
+                return False
+            marker, nth = self._trigger
+            self._trigger = None if nth == 1 else (marker, nth - 1)
+            return nth == 1
 
     def cut(self) -> None:
         self.is_cut.set()

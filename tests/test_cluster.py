@@ -1,7 +1,8 @@
 """GRPO on an existing two-node Ray cluster (two `ray start`s on this machine, each with its own resources and temp
 dir), started by `rlflow train` with trainer.ray_address as a user would. The second node is stopped mid-run (SIGTERM
 to its raylet and everything under it, what `ray stop` does on that machine); the run replaces the workers it lost,
-waits for room while there is none, and finishes once the node is back.
+waits for room while there is none, and finishes once the node is back, with the weights of the same job run
+uninterrupted on the same cluster.
 
 Both nodes run with RAY_enable_metrics_collection=0. With metrics on and the node SIGKILLed, on this 2-core machine
 the head's GCS and dashboard agent kept both cores busy afterwards and starved the restarted workers; which of the
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
 
 from rlworkers.models.tiny import ensure_tiny_model
 
@@ -98,14 +101,21 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     name = f"cluster-{uuid.uuid4().hex[:6]}"
     model = ensure_tiny_model(tmp_path / "tiny")
     runs = tmp_path / "runs"  # one disk for both "nodes" here; on real machines, a shared or s3:// path
-    command = [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", f"model.path={model}",
-               f"trainer.runs_dir={runs}", f"trainer.run_name={name}", f"trainer.ray_address={cluster['address']}",
-               "trainer.total_steps=6", "trainer.save_freq=2", "trainer.test_freq=0", "trainer.log_model=false",
-               "trainer.log_samples=0", "data.train_batch_size=8", "data.val_batch_size=8", "rollout.n=4",
-               "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8"]
+
+    def command(run_name: str) -> list[str]:
+        return [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", f"model.path={model}",
+                f"trainer.runs_dir={runs}", f"trainer.run_name={run_name}",
+                f"trainer.ray_address={cluster['address']}", "trainer.total_steps=6", "trainer.save_freq=2",
+                "trainer.test_freq=0", "trainer.log_model=false", "trainer.log_samples=0", "data.train_batch_size=8",
+                "data.val_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
+                "actor.ppo_micro_batch_size_per_gpu=8"]
+
+    clean = subprocess.run(command(f"{name}-clean"), env=cluster["env"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)  # the same job, uninterrupted, on the same cluster
+    assert clean.returncode == 0, (clean.stdout + clean.stderr)[-3000:]
     log = tmp_path / "train.log"
     with open(log, "w") as out:
-        train = subprocess.Popen(command, env=cluster["env"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        train = subprocess.Popen(command(name), env=cluster["env"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         checkpoint = runs / name / "checkpoints" / "step_2" / "manifest.json"
         deadline = time.monotonic() + 300
@@ -136,3 +146,7 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     # one restart, or two when the first came before Ray had marked the node dead (~15 s) and placed on it again
     assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] in ([1], [1, 2])
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")) == 6
+    # the same seed on the same CPU: the run that lost a node ends with the uninterrupted run's weights
+    clean_weights = load_file(f"{runs}/{name}-clean/final_model/model.safetensors")
+    weights = load_file(f"{runs}/{name}/final_model/model.safetensors")
+    assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)

@@ -129,12 +129,13 @@ def _table_rows(artifact):
 
 
 def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(env):
-    """Three faults from outside in one run: an actor rank killed during its update (a DDP step), an actor rank
-    stopped during generation (a hang: the stage time limit ends it) and the reward worker killed. Each time the
-    run replaces what died, restores the step-2 checkpoint and redoes the steps; it ends with the same weights."""
+    """Four faults from outside in one run: an actor rank killed during its update (a DDP step), an actor rank
+    stopped during generation (a hang: the stage time limit ends it), the reward worker killed, and an actor rank
+    killed during generation. Each time the run replaces what died, restores the step-2 checkpoint and redoes the
+    steps; it ends with the same weights."""
     base = f"faults-{uuid.uuid4().hex[:6]}"
     overrides = ("trainer.total_steps=4", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.stage_timeout_s=15",
-                 "trainer.stage_timeout_s_per_sample=0")
+                 "trainer.stage_timeout_s_per_sample=0", "trainer.max_restarts=4")
     clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
     config = small_config(env, f"{base}-faults", *overrides)
     injector = Injector([])
@@ -143,24 +144,26 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
         (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
         (lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_log_prob"),
          "ray::RewardWorker", signal.SIGKILL),  # once the run is training again
+        (after(injector, 3), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGKILL),
     ]
     injector.start()
     try:
         state, metrics = run_flow("grpo", config)
     finally:
         injector.stop()
-    assert [sig for _, _, sig in injector.done] == [signal.SIGKILL, signal.SIGSTOP, signal.SIGKILL]
+    assert [sig for _, _, sig in injector.done] == [signal.SIGKILL, signal.SIGSTOP, signal.SIGKILL,
+                                                      signal.SIGKILL]
     assert clean_state.is_completed() and state.is_completed()
 
     _, task_runs, artifacts = asyncio.run(prefect_view(state.state_details.flow_run_id))
     failed = {t.name.split("-step-")[0] for t in task_runs if t.state.is_failed()}
     assert {"update_actor", "generate_sequences"} <= failed, failed
     progress = next(a for a in artifacts if a.key == f"{base}-faults-progress")
-    assert "3 restart(s)" in progress.description
+    assert "4 restart(s)" in progress.description
 
     client, run = mlflow_run(f"{base}-faults")
     assert run.info.status == "FINISHED"
-    assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] == [1, 2, 3]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] == [1, 2, 3, 4]
     # Same seed, every fault rewound to the step-2 checkpoint: bitwise the same as the uninterrupted run.
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
         assert metrics[key] == clean_metrics[key], key

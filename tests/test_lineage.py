@@ -154,6 +154,10 @@ def test_crashes_are_counted_from_the_flow_run_state_history(services):
         assert count_crashes(flow_run.id) == 0
         crash(client, flow_run.id, 1, "Restarting")
         assert count_crashes(flow_run.id) == 1
+        # the same crash reported again after the automation's "Restarting" (worker and runner both report it)
+        client.set_flow_run_state(flow_run.id, Crashed(message="killed"), force=True)
+        client.set_flow_run_state(flow_run.id, Scheduled(name="Restarting"), force=True)
+        assert count_crashes(flow_run.id) == 1
 
 
 def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_runs):

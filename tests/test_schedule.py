@@ -92,14 +92,22 @@ def read_flow_run(flow_run_id):
 
 
 def wait_final(flow_run_id, worker, timeout_s: float = 420):
+    """The flow run once it is final (Crashed is not: the automation restarts it). On a timeout the error shows
+    the run's state history (what the automations did) and the worker's log (what the worker did)."""
+    from prefect.client.orchestration import get_client
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         flow_run = read_flow_run(flow_run_id)
         if flow_run.state.is_final() and flow_run.state.type.value != "CRASHED":
             return flow_run
         time.sleep(2)
+    with get_client(sync_client=True) as client:
+        states = sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)
+    history = "\n".join(f"  {s.timestamp:%H:%M:%S.%f} {s.type.value} {s.name!r}: {(s.message or '')[:150]}"
+                        for s in states)
     raise AssertionError(f"flow run {flow_run_id} not final after {timeout_s} s: {flow_run.state}\n"
-                         f"{Path(worker['log']).read_text()[-3000:]}")
+                         f"state history:\n{history}\nworker log:\n{Path(worker['log']).read_text()[-4000:]}")
 
 
 def test_two_triggers_of_a_lineage_queue_and_chain(worker):
