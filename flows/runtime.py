@@ -666,11 +666,12 @@ def _service_env() -> dict[str, str]:
 
 
 def ray_task_runner(address: str | None = None, num_cpus: int | None = None):
-    """The flows' task runner, built here only: Ray at ``address`` (else ``$RAY_ADDRESS``) when one is given,
-    otherwise a local Ray with ``num_cpus`` (else ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as
-    slots for the worker processes. ``num_cpus`` does not apply to an existing cluster (it has its own resources).
-    Every Ray worker, on every node, gets the service URLs in its environment."""
-    from prefect_ray import RayTaskRunner
+    """The flows' task runner (``WarmRayTaskRunner``: prefect-ray's, with tasks in a long-lived actor), built here
+    only: Ray at ``address`` (else ``$RAY_ADDRESS``) when one is given, otherwise a local Ray with ``num_cpus``
+    (else ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as slots for the worker processes.
+    ``num_cpus`` does not apply to an existing cluster (it has its own resources). Every Ray worker, on every
+    node, gets the service URLs in its environment."""
+    from flows.task_runner import WarmRayTaskRunner
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
@@ -678,7 +679,7 @@ def ray_task_runner(address: str | None = None, num_cpus: int | None = None):
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
     else:
         init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
-    return RayTaskRunner(address=address, init_kwargs=init_kwargs)
+    return WarmRayTaskRunner(address=address, init_kwargs=init_kwargs)
 
 
 def default_task_runner():

@@ -139,12 +139,17 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
     clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
     config = small_config(env, f"{base}-faults", *overrides)
     injector = Injector([])
+
+    def reward_replaced() -> bool:  # the run noticed the reward worker's death and started a new one
+        new = busy_worker("ray::RewardWorker")
+        return after(injector, 3)() and new is not None and new.pid != injector.done[2][1]
+
     injector.plan = [
         (checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL),
         (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
         (lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_log_prob"),
          "ray::RewardWorker", signal.SIGKILL),  # once the run is training again
-        (after(injector, 3), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGKILL),
+        (reward_replaced, "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGKILL),  # a 4th restart
     ]
     injector.start()
     try:

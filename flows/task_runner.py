@@ -1,0 +1,145 @@
+"""``WarmRayTaskRunner``: prefect-ray's ``RayTaskRunner`` with its tasks run in one long-lived Ray actor.
+
+Every RL stage stays a Prefect task on a Ray task runner: its task run, states, name, logs and retries are Prefect's
+own (``run_task_sync`` runs it, as in prefect-ray), and futures passed between stages stay Ray ``ObjectRef``s that
+Ray resolves before the task starts. What changes relative to prefect-ray 0.6.0, and why (each point is a
+self-contained patch to ``prefect_ray/task_runners.py``):
+
+1. **One remote actor instead of one remote function per submit.** Stock ``submit`` wraps ``_run_prefect_task`` in a
+   new ``ray.remote`` each time: Ray exports it to the GCS again, gives it a new scheduling class and leases a
+   worker for it (PrefectHQ/prefect#5653). Here the first submit starts a ``TaskHost`` actor (threaded, no CPU and
+   no GPU asked: the stage tasks only call the WorkerGroups, whose placement groups hold the resources; pinned to
+   the node of the flow process's own raylet, so losing another node never takes it away) and every submit is a
+   method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh process per task.
+2. **Context validated once.** Stock tasks rebuild the whole ``SettingsContext`` from its dict in every task
+   (pydantic validation of every Prefect setting); the host keeps the ones it has built, keyed by their content.
+3. **One Prefect client per host.** Stock tasks build two new HTTP clients per task (``hydrated_context`` and the
+   task engine each call ``get_client``; each loads the CA bundle, ~24 ms here). The host opens one client per API
+   URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
+
+When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed. ``remote_options(...)`` (prefect-ray's context) applies
+to the host when it is created: its ``runtime_env``; ``num_cpus`` / ``num_gpus`` are not asked by the host.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any, Iterable
+from uuid import uuid4
+
+from prefect.client.schemas.objects import RunInput
+from prefect.context import serialize_context
+from prefect.futures import PrefectFuture
+from prefect.tasks import Task
+from prefect.utilities.engine import collect_task_run_inputs_sync
+from prefect_ray import RayTaskRunner
+from prefect_ray.context import RemoteOptionsContext
+from prefect_ray.task_runners import PrefectRayFuture
+
+HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
+
+
+class TaskHost:
+    """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
+
+    def __init__(self):
+        self._settings: dict[bytes, Any] = {}  # serialized settings context (pickled) -> SettingsContext
+        self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
+        self._lock = threading.Lock()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def drain(self) -> None:
+        """Send what the task runs logged and the state events still queued here (before the host is killed)."""
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+        EventsWorker.drain_all(timeout=10)
+
+    def run(self, *upstream_ray_obj_refs: Any, task: Task, context: dict[str, Any], **kwargs: Any) -> Any:
+        from prefect.context import SyncClientContext
+
+        settings = self._settings_context(context.pop("settings_context", None))
+        with settings:
+            client = self._client(settings.settings.api.url or "")
+            with SyncClientContext.model_construct(client=client):
+                return RayTaskRunner._run_prefect_task(*upstream_ray_obj_refs, task=task, context=context, **kwargs)
+
+    def _settings_context(self, serialized: dict | None):
+        from prefect.context import SettingsContext
+
+        key = pickle.dumps(serialized)
+        with self._lock:
+            if key not in self._settings:
+                self._settings[key] = SettingsContext(**serialized) if serialized else SettingsContext.get()
+            return self._settings[key]
+
+    def _client(self, api_url: str):
+        from prefect.client.orchestration import get_client
+
+        with self._lock:
+            if api_url not in self._clients:
+                client = get_client(sync_client=True)
+                client.__enter__()  # kept open for the host's life; SyncClientContext re-enters it per task
+                self._clients[api_url] = client
+            return self._clients[api_url]
+
+
+class WarmRayTaskRunner(RayTaskRunner):
+    """``RayTaskRunner`` whose tasks run in a long-lived ``TaskHost`` actor (see the module docstring)."""
+
+    def __init__(self, address: str | None = None, init_kwargs: dict[str, Any] | None = None):
+        super().__init__(address=address, init_kwargs=init_kwargs)
+        self._host = None
+        self._host_lock = threading.Lock()
+
+    def duplicate(self):
+        return type(self)(address=self.address, init_kwargs=self.init_kwargs)
+
+    def __reduce__(self):  # it travels inside the flow, in every task's context: as an unstarted copy
+        return type(self), (self.address, self.init_kwargs)
+
+    def host(self):
+        """The task host, started on first use (a runner entered inside a task never starts one)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._host_lock:
+            if self._host is None:
+                options = RemoteOptionsContext.get().current_remote_options or {}
+                here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+                self._host = ray.remote(TaskHost).options(
+                    num_cpus=0, max_concurrency=HOST_THREADS, scheduling_strategy=here,
+                    **({"runtime_env": options["runtime_env"]} if "runtime_env" in options else {})).remote()
+            return self._host
+
+    def submit(self, task: Task, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture] | None = None,
+               dependencies: dict[str, set[RunInput]] | None = None) -> PrefectRayFuture:
+        if not self._started:
+            raise RuntimeError("The task runner must be started before submitting work.")
+        task_run_id = uuid4()
+        task_inputs = {k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture) for k, v in parameters.items()}
+        context = serialize_context(asset_ctx_kwargs={"task": task, "task_run_id": task_run_id,
+                                                      "task_inputs": task_inputs, "copy_to_child_ctx": True})
+        parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
+        object_ref = self.host().run.options(name=task.name).remote(
+            *upstream_ray_obj_refs, task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
+            dependencies=dependencies, context=context)
+        return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+
+    def __exit__(self, *exc_info):
+        import ray
+
+        if self._host is not None:
+            try:
+                ray.get(self._host.drain.remote(), timeout=30)
+            except Exception as error:  # a dead host has nothing left to send
+                self.logger.warning("the task host could not send its last logs and events: %s", error)
+            ray.kill(self._host)
+            self._host = None
+        super().__exit__(*exc_info)

@@ -1,0 +1,89 @@
+"""WarmRayTaskRunner against a real Prefect server and Ray: every task is still a Prefect task run with its name and
+state in the API, all of a flow run's tasks run in one long-lived Ray actor (the same process each time, not the
+flow's), that actor is gone when the flow ends, and a task that fails is reported Failed with its traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import psutil
+import pytest
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.task_runner import WarmRayTaskRunner
+
+STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+@task(name="where", task_run_name="where-step-{step}", **STAGE)
+def where(previous: list[int], step: int) -> list[int]:
+    return [*previous, os.getpid()]
+
+
+@task(name="divide", task_run_name="divide-step-{step}", **STAGE)
+def divide(step: int) -> float:
+    return 1 / 0
+
+
+@flow(name="warm-runner-probe", persist_result=False)
+def chained(steps: int) -> list[int]:
+    pids: object = []
+    for step in range(steps):
+        pids = where.submit(pids, step)  # each task gets the previous one's future, as the RL stages do
+    return pids.result()
+
+
+@flow(name="warm-runner-failure", persist_result=False)
+def failing() -> float:
+    return divide.submit(1).result()
+
+
+async def task_runs(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_cluster):
+    state = chained.with_options(task_runner=WarmRayTaskRunner())(steps=4, return_state=True)
+    pids = state.result()
+    assert len(set(pids)) == 1, pids  # one process for every task: the runner's actor, reused
+    assert pids[0] != os.getpid()  # ... which is not the flow's
+    runs = asyncio.run(task_runs(state.state_details.flow_run_id))
+    assert sorted(r.name for r in runs) == [f"where-step-{i}" for i in range(4)]
+    assert all(r.state.is_completed() for r in runs)
+    gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30) if psutil.pid_exists(pids[0]) else ([1], [])
+    assert gone, "the task host outlived its flow run"
+
+    again = chained.with_options(task_runner=WarmRayTaskRunner())(steps=2)
+    assert len(set(again)) == 1 and again[0] != pids[0]  # a new flow run gets its own host
+
+
+def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_cluster):
+    state = failing.with_options(task_runner=WarmRayTaskRunner())(return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ZeroDivisionError):
+        state.result()
+    runs = asyncio.run(task_runs(state.state_details.flow_run_id))
+    assert [r.name for r in runs] == ["divide-step-1"] and runs[0].state.is_failed()
+    assert "ZeroDivisionError" in runs[0].state.message
+
+    async def logs():
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+        async with get_client() as client:
+            return await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[runs[0].id])))
+
+    for _ in range(20):  # logs are sent in batches
+        text = "\n".join(entry.message for entry in asyncio.run(logs()))
+        if "Traceback" in text:
+            break
+        import time
+
+        time.sleep(0.5)
+    assert "Traceback" in text and "1 / 0" in text, text
