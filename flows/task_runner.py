@@ -17,8 +17,9 @@ self-contained patch to ``prefect_ray/task_runners.py``):
    task engine each call ``get_client``; each loads the CA bundle, ~24 ms here). The host opens one client per API
    URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
 
-When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed. ``remote_options(...)`` (prefect-ray's context) applies
-to the host when it is created: its ``runtime_env``; ``num_cpus`` / ``num_gpus`` are not asked by the host.
+When the flow run's task runner exits, the host sends the logs and state events it still holds, then is
+killed. ``remote_options(...)`` (prefect-ray's context) applies to the host when it is created: its
+``runtime_env``; ``num_cpus`` / ``num_gpus`` are not asked by the host.
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ class TaskHost:
         from prefect.context import SyncClientContext
 
         settings = self._settings_context(context.pop("settings_context", None))
-        with settings:
+        with settings.model_construct(profile=settings.profile, settings=settings.settings):  # one per task
             client = self._client(settings.settings.api.url or "")
             with SyncClientContext.model_construct(client=client):
                 return RayTaskRunner._run_prefect_task(*upstream_ray_obj_refs, task=task, context=context, **kwargs)
 
     def _settings_context(self, serialized: dict | None):
+        """A validated SettingsContext to copy from (a context object cannot be entered by two threads at once)."""
         from prefect.context import SettingsContext
 
         key = pickle.dumps(serialized)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import psutil
 import pytest
@@ -20,6 +21,19 @@ STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 @task(name="where", task_run_name="where-step-{step}", **STAGE)
 def where(previous: list[int], step: int) -> list[int]:
     return [*previous, os.getpid()]
+
+
+@task(name="wait", task_run_name="wait-{i}", **STAGE)
+def wait(previous: list[int], i: int) -> tuple[int, float, float]:
+    start = time.time()
+    time.sleep(1.0)
+    return os.getpid(), start, time.time()
+
+
+@flow(name="warm-runner-fan-out", persist_result=False)
+def fan_out(width: int) -> list[tuple[int, float, float]]:
+    first = where.submit([], 0)
+    return [f.result() for f in [wait.submit(first, i) for i in range(width)]]  # as reward, log-prob and ref
 
 
 @task(name="divide", task_run_name="divide-step-{step}", **STAGE)
@@ -63,6 +77,12 @@ def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_clu
     assert len(set(again)) == 1 and again[0] != pids[0]  # a new flow run gets its own host
 
 
+def test_tasks_submitted_together_run_together_in_the_host(services, ray_cluster):
+    runs = fan_out.with_options(task_runner=WarmRayTaskRunner())(width=3)
+    assert len({pid for pid, _, _ in runs}) == 1 and runs[0][0] != os.getpid()
+    assert max(start for _, start, _ in runs) < min(end for _, _, end in runs), "they ran one after another"
+
+
 def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_cluster):
     state = failing.with_options(task_runner=WarmRayTaskRunner())(return_state=True)
     assert state.is_failed()
@@ -83,7 +103,5 @@ def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_clus
         text = "\n".join(entry.message for entry in asyncio.run(logs()))
         if "Traceback" in text:
             break
-        import time
-
         time.sleep(0.5)
     assert "Traceback" in text and "1 / 0" in text, text
