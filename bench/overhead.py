@@ -1,11 +1,11 @@
 """What a Prefect task costs on a Ray task runner: the project's ``WarmRayTaskRunner`` against prefect-ray's stock
 ``RayTaskRunner`` and against calling the same function in a plain loop, in one process, one Ray, one run.
 
-A flow submits ``--tasks`` chained tasks (each takes the previous one's result, as the RL stages do) that each call
-a trivial method of a Ray actor (as a stage calls its WorkerGroup); the per-task cost is the flow's wall time minus
-the plain loop's, divided by the number of tasks. Median of ``--repeats`` flows after one warm-up flow per runner.
-Needs the servers (`rlflow server up`, or PREFECT_API_URL / MLFLOW_TRACKING_URI in the environment). Prints the
-ratio stock / warm last.
+A flow runs one task (so the runner's processes are up), then submits ``--tasks`` chained tasks (each takes the
+previous one's result, as the RL stages do) that each call a trivial method of a Ray actor (as a stage calls its
+WorkerGroup); the per-task cost is their wall time minus the plain loop's, divided by the number of tasks. Median
+of ``--repeats`` flows after one warm-up flow per runner. Needs the servers (`rlflow server up`, or PREFECT_API_URL
+/ MLFLOW_TRACKING_URI in the environment). Prints the ratio stock / warm last.
 
     .venv/bin/python bench/overhead.py [--tasks 40] [--repeats 3]
 """
@@ -37,6 +37,7 @@ def stage(actor, value: int, step: int) -> int:
 
 @flow(name="overhead-bench", persist_result=False)
 def chain(actor, tasks: int) -> float:
+    stage.submit(actor, -1, -1).result()  # the runner's processes are up: what follows is the per-task cost
     start = time.perf_counter()
     value = 0
     for step in range(tasks):

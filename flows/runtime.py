@@ -596,24 +596,38 @@ def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict, f
 
 
 def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup]:
+    """The worker groups of ``roles``, built at once: their processes start and load the model in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
     trainer = config.trainer
     use_gpu, timeout = trainer.device == "cuda", (trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample)
     model = config.model.model_copy(update={"path": model_path})  # resolved once: "tiny" -> its folder
     worker_config = config.worker_config().model_copy(update={"model": model})
-    groups = {}
-    if "actor" in roles:
-        groups["actor"] = build_group(ActorRolloutRefWorker, trainer.n_workers, use_gpu=use_gpu, timeout=timeout,
-                                      config=worker_config, role="actor_rollout")
-    if "ref" in roles:
-        groups["ref"] = build_group(ActorRolloutRefWorker, 1, use_gpu=use_gpu, timeout=timeout, config=worker_config,
-                                    role="ref")
-    if "critic" in roles:
-        groups["critic"] = build_group(CriticWorker, trainer.n_workers, use_gpu=use_gpu, timeout=timeout,
-                                       config=config.critic, model=model, device=trainer.device, seed=trainer.seed,
-                                       collective_timeout_s=trainer.collective_timeout_s)
-    if "reward" in roles:
-        groups["reward"] = build_group(RewardWorker, 1, use_gpu=False, cpus_per_worker=0.5, timeout=timeout,
-                                       config=config.reward, tokenizer_path=model_path)
+    plans = {
+        "actor": (ActorRolloutRefWorker, trainer.n_workers, {"use_gpu": use_gpu, "config": worker_config,
+                                                             "role": "actor_rollout"}),
+        "ref": (ActorRolloutRefWorker, 1, {"use_gpu": use_gpu, "config": worker_config, "role": "ref"}),
+        "critic": (CriticWorker, trainer.n_workers, {"use_gpu": use_gpu, "config": config.critic, "model": model,
+                                                     "device": trainer.device, "seed": trainer.seed,
+                                                     "collective_timeout_s": trainer.collective_timeout_s}),
+        "reward": (RewardWorker, 1, {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward,
+                                     "tokenizer_path": model_path}),
+    }
+    wanted = [role for role in plans if role in roles]
+    with ThreadPoolExecutor(len(wanted)) as pool:
+        futures = {role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
+                   for role in wanted}
+    groups, errors = {}, []
+    for role, future in futures.items():
+        try:
+            groups[role] = future.result()
+        except Exception as error:
+            errors.append(error)
+    if errors:  # release what did start before failing with the first error
+        for group in groups.values():
+            group.shutdown()
+            group.resource_pool.remove()
+        raise errors[0]
     return groups
 
 

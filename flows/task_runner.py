@@ -11,8 +11,10 @@ self-contained patch to ``prefect_ray/task_runners.py``):
    no GPU asked: the stage tasks only call the WorkerGroups, whose placement groups hold the resources; pinned to
    the node of the flow process's own raylet, so losing another node never takes it away) and every submit is a
    method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh process per task.
-2. **Context validated once.** Stock tasks rebuild the whole ``SettingsContext`` from its dict in every task
-   (pydantic validation of every Prefect setting); the host keeps the ones it has built, keyed by their content.
+2. **Settings serialized once, validated once.** A stock submit dumps every Prefect setting into the task's
+   context (most of its cost: ~30 ms here) and every task validates them all again. Here the flow side serializes
+   them once per ``SettingsContext`` (immutable) into the object store and sends a key; the host validates them
+   once per key and each task enters a copy.
 3. **One Prefect client per host.** Stock tasks build two new HTTP clients per task (``hydrated_context`` and the
    task engine each call ``get_client``; each loads the CA bundle, ~24 ms here). The host opens one client per API
    URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
@@ -24,13 +26,11 @@ killed. ``remote_options(...)`` (prefect-ray's context) applies to the host when
 
 from __future__ import annotations
 
-import pickle
 import threading
 from typing import Any, Iterable
 from uuid import uuid4
 
 from prefect.client.schemas.objects import RunInput
-from prefect.context import serialize_context
 from prefect.futures import PrefectFuture
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
@@ -39,13 +39,41 @@ from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
+_in_task_host = False  # set in a TaskHost's process: the runners that tasks enter there never start a host
+_last_settings: list = [None, None]  # [the SettingsContext serialized last, its serialized form]
+
+
+def serialize_context_once(asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``prefect.context.serialize_context`` (prefect 3.7.7, same keys) with the settings serialized once per
+    ``SettingsContext``: it is immutable, and dumping every setting (secrets handled) is most of what a stock
+    submit costs (~30 ms here)."""
+    from prefect import context as prefect_context
+
+    settings_context = prefect_context.SettingsContext.get()
+    if settings_context is not None and _last_settings[0] is not settings_context:
+        _last_settings[:] = [settings_context, settings_context.serialize()]
+    flow_run_context = prefect_context.EngineContext.get()
+    task_run_context = prefect_context.TaskRunContext.get()
+    tags_context = prefect_context.TagsContext.get()
+    deployment_id = prefect_context._deployment_id.get()
+    return {
+        "flow_run_context": flow_run_context.serialize() if flow_run_context else {},
+        "task_run_context": task_run_context.serialize() if task_run_context else {},
+        "tags_context": tags_context.serialize() if tags_context else {},
+        "settings_context": _last_settings[1] if settings_context is not None else {},
+        "asset_context": prefect_context.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize(),
+        "deployment_id": str(deployment_id) if deployment_id else None,
+        "deployment_parameters": prefect_context._deployment_parameters.get(),
+    }
 
 
 class TaskHost:
     """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
 
     def __init__(self):
-        self._settings: dict[bytes, Any] = {}  # serialized settings context (pickled) -> SettingsContext
+        global _in_task_host
+        _in_task_host = True
+        self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
         self._lock = threading.Lock()
 
@@ -62,22 +90,25 @@ class TaskHost:
         APILogWorker.drain_all(timeout=10)
         EventsWorker.drain_all(timeout=10)
 
-    def run(self, *upstream_ray_obj_refs: Any, task: Task, context: dict[str, Any], **kwargs: Any) -> Any:
+    def run(self, *upstream_ray_obj_refs: Any, task: Task, context: dict[str, Any], settings: tuple[str, list],
+            **kwargs: Any) -> Any:
         from prefect.context import SyncClientContext
 
-        settings = self._settings_context(context.pop("settings_context", None))
-        with settings.model_construct(profile=settings.profile, settings=settings.settings):  # one per task
-            client = self._client(settings.settings.api.url or "")
+        cached = self._settings_context(*settings)
+        with cached.model_construct(profile=cached.profile, settings=cached.settings):  # one context per task
+            client = self._client(cached.settings.api.url or "")
             with SyncClientContext.model_construct(client=client):
                 return RayTaskRunner._run_prefect_task(*upstream_ray_obj_refs, task=task, context=context, **kwargs)
 
-    def _settings_context(self, serialized: dict | None):
-        """A validated SettingsContext to copy from (a context object cannot be entered by two threads at once)."""
+    def _settings_context(self, key: str, ref: list):
+        """The validated SettingsContext of ``key``, built from ``ref[0]`` (its serialized form, in the object store)
+        the first time; tasks enter copies of it (one context object cannot be entered by two threads at once)."""
+        import ray
         from prefect.context import SettingsContext
 
-        key = pickle.dumps(serialized)
         with self._lock:
             if key not in self._settings:
+                serialized = ray.get(ref[0])
                 self._settings[key] = SettingsContext(**serialized) if serialized else SettingsContext.get()
             return self._settings[key]
 
@@ -99,6 +130,7 @@ class WarmRayTaskRunner(RayTaskRunner):
         super().__init__(address=address, init_kwargs=init_kwargs)
         self._host = None
         self._host_lock = threading.Lock()
+        self._settings: tuple[dict, tuple[str, list]] | None = None
 
     def duplicate(self):
         return type(self)(address=self.address, init_kwargs=self.init_kwargs)
@@ -106,8 +138,14 @@ class WarmRayTaskRunner(RayTaskRunner):
     def __reduce__(self):  # it travels inside the flow, in every task's context: as an unstarted copy
         return type(self), (self.address, self.init_kwargs)
 
+    def __enter__(self):
+        super().__enter__()
+        if not _in_task_host:
+            self.host()  # its process starts while the flow builds its worker groups (nothing waits for it here)
+        return self
+
     def host(self):
-        """The task host, started on first use (a runner entered inside a task never starts one)."""
+        """The task host (started by ``__enter__`` in the flow's process)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -126,13 +164,22 @@ class WarmRayTaskRunner(RayTaskRunner):
             raise RuntimeError("The task runner must be started before submitting work.")
         task_run_id = uuid4()
         task_inputs = {k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture) for k, v in parameters.items()}
-        context = serialize_context(asset_ctx_kwargs={"task": task, "task_run_id": task_run_id,
-                                                      "task_inputs": task_inputs, "copy_to_child_ctx": True})
+        context = serialize_context_once(asset_ctx_kwargs={"task": task, "task_run_id": task_run_id,
+                                                           "task_inputs": task_inputs, "copy_to_child_ctx": True})
+        settings = self._settings_by_reference(context.pop("settings_context"))
         parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
         object_ref = self.host().run.options(name=task.name).remote(
             *upstream_ray_obj_refs, task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
-            dependencies=dependencies, context=context)
+            dependencies=dependencies, context=context, settings=settings)
         return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+
+    def _settings_by_reference(self, serialized: dict) -> tuple[str, list]:
+        """(key, [ObjectRef]) of the settings: put in the object store once per SettingsContext, not sent per task."""
+        import ray
+
+        if self._settings is None or self._settings[0] is not serialized:
+            self._settings = (serialized, (uuid4().hex, [ray.put(serialized)]))
+        return self._settings[1]
 
     def __exit__(self, *exc_info):
         import ray
