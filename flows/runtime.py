@@ -13,6 +13,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Iterator
 
 import fsspec
@@ -78,8 +79,8 @@ def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, tim
                 **init_kwargs) -> RayWorkerGroup:
     pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
     worker_cls = RayClassWithInitArgs(cls=cls, **init_kwargs)
-    if storage_env():  # workers write checkpoints straight to the store
-        worker_cls.update_options({"runtime_env": {"env_vars": storage_env()}})
+    if env := storage_env():  # workers write checkpoints straight to the store
+        worker_cls.update_options({"runtime_env": {"env_vars": env}})
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls)
     if timeout:
         group.set_call_timeout(*timeout)
@@ -127,6 +128,7 @@ class Run:
     start_state: dict = field(default_factory=dict)  # where a fault before the first checkpoint rewinds to
     faults: list[str] = field(default_factory=list)
     last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
+    step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
 
     @property
     def checkpoint_root(self) -> str:
@@ -166,7 +168,7 @@ class Run:
         checkpoint run when due. If the step fails because a worker died or hung, the run restores its newest
         checkpoint and ``steps`` rewinds to redo what it lost (see ``recover``)."""
         metrics: dict = {}
-        start = time.perf_counter()
+        start, self.step_started_at = time.perf_counter(), datetime.now(timezone.utc)
         try:
             yield metrics
             metrics["timing_s/step"] = time.perf_counter() - start
@@ -214,7 +216,7 @@ class Run:
         from prefect_ray.context import remote_options
 
         status = "FAILED"
-        store = {"runtime_env": {"env_vars": storage_env()}} if storage_env() else {}
+        store = {"runtime_env": {"env_vars": env}} if (env := storage_env()) else {}
         try:
             with remote_options(num_cpus=0, max_retries=0, **store):
                 while self.start_step == 1 and 0 not in self.val_scores:
@@ -330,7 +332,7 @@ class Run:
             raise error  # the store failed, not a worker (a rank may still be stuck in its write): no restart
         started = time.perf_counter()
         lost = {name: ranks for name, group in self.groups.items() if (ranks := group.unresponsive_ranks())}
-        failures = failed_stages(step) or [f"{type(error).__name__}: {error}"]
+        failures = failed_stages(step, since=self.step_started_at) or [f"{type(error).__name__}: {error}"]
         if not lost:
             if isinstance(error, UnfinishedRun):  # a stage before this one failed: say which, and why
                 raise StepFailed(f"step {step} failed with every worker alive: " + "; ".join(failures)) from error
@@ -693,7 +695,7 @@ def ray_task_runner(address: str | None = None, num_cpus: int | None = None):
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
     else:
         init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
-    return WarmRayTaskRunner(address=address, init_kwargs=init_kwargs)
+    return WarmRayTaskRunner(address=address, init_kwargs=init_kwargs, host_env=_service_env)
 
 
 def default_task_runner():

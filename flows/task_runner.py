@@ -20,14 +20,14 @@ self-contained patch to ``prefect_ray/task_runners.py``):
    URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
 
 When the flow run's task runner exits, the host sends the logs and state events it still holds, then is
-killed. ``remote_options(...)`` (prefect-ray's context) applies to the host when it is created: its
-``runtime_env``; ``num_cpus`` / ``num_gpus`` are not asked by the host.
+killed. The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
+``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from uuid import uuid4
 
 from prefect.client.schemas.objects import RunInput
@@ -126,17 +126,24 @@ class TaskHost:
 class WarmRayTaskRunner(RayTaskRunner):
     """``RayTaskRunner`` whose tasks run in a long-lived ``TaskHost`` actor (see the module docstring)."""
 
-    def __init__(self, address: str | None = None, init_kwargs: dict[str, Any] | None = None):
+    def __init__(self, address: str | None = None, init_kwargs: dict[str, Any] | None = None,
+                 host_env: Callable[[], dict[str, str]] | None = None):
+        """``host_env``: the environment variables the task host gets, computed when it starts (in the flow's
+        process, so they are that process's values then, not when the runner was built)."""
         super().__init__(address=address, init_kwargs=init_kwargs)
+        self.host_env = host_env
         self._host = None
         self._host_lock = threading.Lock()
         self._settings: tuple[dict, tuple[str, list]] | None = None
 
     def duplicate(self):
-        return type(self)(address=self.address, init_kwargs=self.init_kwargs)
+        return type(self)(address=self.address, init_kwargs=self.init_kwargs, host_env=self.host_env)
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and getattr(other, "host_env", None) == self.host_env
 
     def __reduce__(self):  # it travels inside the flow, in every task's context: as an unstarted copy
-        return type(self), (self.address, self.init_kwargs)
+        return type(self), (self.address, self.init_kwargs, self.host_env)
 
     def __enter__(self):
         super().__enter__()
@@ -151,11 +158,14 @@ class WarmRayTaskRunner(RayTaskRunner):
 
         with self._host_lock:
             if self._host is None:
-                options = RemoteOptionsContext.get().current_remote_options or {}
+                runtime_env = (RemoteOptionsContext.get().current_remote_options or {}).get("runtime_env", {})
+                if self.host_env:
+                    env_vars = {**self.host_env(), **runtime_env.get("env_vars", {})}
+                    runtime_env = {**runtime_env, "env_vars": env_vars}
                 here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
                 self._host = ray.remote(TaskHost).options(
                     num_cpus=0, max_concurrency=HOST_THREADS, scheduling_strategy=here,
-                    **({"runtime_env": options["runtime_env"]} if "runtime_env" in options else {})).remote()
+                    **({"runtime_env": runtime_env} if runtime_env else {})).remote()
             return self._host
 
     def submit(self, task: Task, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture] | None = None,

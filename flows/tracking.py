@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import time
+from datetime import datetime
 from typing import Any
 
 import mlflow
@@ -159,8 +160,9 @@ class ProgressArtifact:
         update_progress_artifact(self.id, progress=100.0 * step / self.total, description=self._description())
 
 
-def failed_stages(step: int, wait_s: float = 10.0) -> list[str]:
-    """``"<task run name>: <state message>"`` for each failed task run of ``step`` in the current flow run.
+def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0) -> list[str]:
+    """``"<task run name>: <state message>"`` for each failed task run of ``step`` in the current flow run that
+    started at ``since`` or later (a step redone after a restart has task runs of the same names from before).
 
     Task-run states reach the Prefect server as events, a moment after the failure: wait up to ``wait_s``."""
     from prefect.client.orchestration import get_client
@@ -184,7 +186,8 @@ def failed_stages(step: int, wait_s: float = 10.0) -> list[str]:
                 task_run_filter=TaskRunFilter(state=TaskRunFilterState(
                     type=TaskRunFilterStateType(any_=[StateType.FAILED]), name=None)))
             found = [f"{r.name}: {r.state.message if r.state else r.state_name}" for r in runs
-                     if r.name.endswith(f"-step-{step}")]
+                     if r.name.endswith(f"-step-{step}")
+                     and (since is None or (r.start_time or r.expected_start_time or r.created) >= since)]
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(1.0)

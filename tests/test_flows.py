@@ -21,13 +21,13 @@ import pytest
 import torch
 from faults import Injector, after, busy_worker, checkpoint_exists
 from mlflow.tracking import MlflowClient
-from prefect_ray import RayTaskRunner
 from safetensors.torch import load_file
 
 from flows.config import ConfigError, load_config, runs_root
 from flows.grpo import grpo
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
+from flows.runtime import ray_task_runner
 from flows.sft import sft
 from rlworkers.checkpoint import list_checkpoints
 from rlworkers.models.tiny import ensure_tiny_model
@@ -53,7 +53,7 @@ def small_config(env, name: str, *extra: str):
 
 
 def run_flow(name: str, config):
-    state = FLOWS[name].with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    state = FLOWS[name].with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     return state, state.result()
 
 
@@ -183,7 +183,7 @@ def test_faults_past_the_budget_fail_the_run_and_list_them(env):
     injector = Injector([(lambda: True, "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL)])
     injector.start()
     try:
-        state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+        state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     finally:
         injector.stop()
     assert state.is_failed()
@@ -198,7 +198,7 @@ def test_an_error_with_every_worker_alive_fails_at_once(env, tmp_path):
     (tmp_path / "broken.py").write_text("def score(prompts, responses, **columns):\n    return 1 / 0\n")
     name = f"broken-{uuid.uuid4().hex[:6]}"
     config = small_config(env, name, f"reward.reward_fn={tmp_path / 'broken.py'}:score")
-    state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     assert state.is_failed()
     assert "RewardWorker rank 0 failed in 'compute_rm_score'" in state.message
     assert "ZeroDivisionError" in state.message and "broken.py" in state.message
@@ -214,7 +214,7 @@ def test_bad_model_or_data_fail_before_any_worker_or_mlflow_run(env, tmp_path):
                                                      "data.max_prompt_length=16")]
     for override, message in cases:
         name = f"bad-input-{uuid.uuid4().hex[:6]}"
-        state = grpo.with_options(task_runner=RayTaskRunner())(config=small_config(env, name, override),
+        state = grpo.with_options(task_runner=ray_task_runner())(config=small_config(env, name, override),
                                                                return_state=True)
         assert state.is_failed() and message in state.message, state.message
         experiment = MlflowClient().get_experiment_by_name("rlflow")
@@ -250,7 +250,7 @@ def test_tracking_servers_that_stop_answering_mid_run_are_waited_for(env, servic
     staller = threading.Thread(target=stall, daemon=True)
     staller.start()
     try:
-        state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+        state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     finally:
         staller.join(60)
         for group in groups:

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from prefect_ray import RayTaskRunner
 from safetensors.torch import load_file
 
 from flows.config import load_config
 from flows.lineage import RunRecord, read_result
+from flows.runtime import ray_task_runner
 from flows.sft import sft
 from rlworkers.models.tiny import ensure_tiny_model
 
@@ -46,7 +46,7 @@ def lineage_config(env, lineage: str, reward: str, *extra: str):
 
 
 def run_sft(config):
-    state = sft.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    state = sft.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     return state
 
 

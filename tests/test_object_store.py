@@ -132,11 +132,10 @@ def flows_env(ray_cluster, services, s3, tmp_path_factory):
 
 
 def _run(config):
-    from prefect_ray import RayTaskRunner
-
     from flows.grpo import grpo
+    from flows.runtime import ray_task_runner
 
-    state = grpo.with_options(task_runner=RayTaskRunner())(config=config, return_state=True)
+    state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     return state
 
 
