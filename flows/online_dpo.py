@@ -3,7 +3,7 @@
 Each step, for a batch of prompts:
   1. sample ``rollout.n`` responses per prompt                     generate_sequences   (actor group)
   2. score them; reference log-probs of every response             compute_reward / compute_ref_log_prob
-  3. pair the best and the worst response of each prompt            make_preference_pairs (pure function)
+  3. pair the best and the worst response of each prompt            make_preference_pairs (rlworkers.algorithms)
      (prompts whose responses all score the same give no pair)
   4. DPO update of the policy against the reference                 update_actor_dpo     (actor group)
 Run it with ``rlflow train online_dpo --config demo rollout.n=4``.
@@ -13,36 +13,27 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from prefect import flow, task
 
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
 from flows.runtime import default_task_runner, start_run
 from flows.stages import IDEMPOTENT, compute_ref_log_prob, compute_reward, generate_sequences, update_actor_dpo
-from rlworkers.algorithms.batch_ops import compute_data_metrics
+from rlworkers.algorithms.batch_ops import compute_data_metrics, make_preference_pairs
 from rlworkers.protocol import DataProto
 
 CRITICAL_PATH = [["gen"], ["reward", "ref"], ["pairs"], ["update_actor"]]
 
 
 @task(name="make_preference_pairs", task_run_name="make_preference_pairs-step-{step}", **IDEMPOTENT)
-def make_preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float,
-                          step: int) -> DataProto:
-    """Rows (chosen, rejected) per prompt with different scores; a multiple of ``world_size`` pairs."""
+def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float,
+                     step: int) -> DataProto:
+    """Merge the reward and reference columns into the batch, then pair it (``make_preference_pairs``)."""
     start = time.perf_counter()
     for part in parts:
         batch.union(part)
-    scores = batch.non_tensor_batch["score"].astype(float)
-    order = []
-    for uid in dict.fromkeys(batch.non_tensor_batch["uid"]):
-        rows = np.flatnonzero(batch.non_tensor_batch["uid"] == uid)
-        best, worst = rows[np.argmax(scores[rows])], rows[np.argmin(scores[rows])]
-        if scores[best] > scores[worst]:
-            order += [best, worst]
-    usable = len(order) // 2 // world_size * world_size * 2
-    metrics = {**compute_data_metrics(batch), "dpo/pairs": usable // 2}
-    pairs = batch.select_idxs(np.array(order[:usable], dtype=np.int64))
+    pairs = make_preference_pairs(batch, world_size)
+    metrics = {**compute_data_metrics(batch), "dpo/pairs": len(pairs) // 2}
     pairs.meta_info.update(dpo_beta=beta, data_metrics=metrics, **{"timing_s/pairs": time.perf_counter() - start})
     return pairs
 
@@ -59,7 +50,7 @@ def online_dpo(config: RLConfig) -> dict:
             with run.step(step, CRITICAL_PATH) as metrics:
                 gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
                 parts = [compute_reward.submit(reward, gen, step), compute_ref_log_prob.submit(ref, gen, step)]  # 2
-                pairs = make_preference_pairs.submit(gen, parts, config.trainer.n_workers,          # 3
-                                                     config.algorithm.dpo_beta, step)
+                pairs = preference_pairs.submit(gen, parts, config.trainer.n_workers,               # 3
+                                                config.algorithm.dpo_beta, step)
                 metrics.update(update_actor_dpo.submit(actor, pairs, step).result())                # 4
     return run.last_metrics

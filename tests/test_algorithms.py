@@ -505,3 +505,18 @@ def test_dpo_known_point_and_label_smoothing():
     close(loss, 0.9 * math.log1p(math.exp(-1)) + 0.1 * math.log1p(math.e))
     with pytest.raises(ValueError, match="label_smoothing"):
         ca.compute_dpo_loss(pc, pr, rc, rr, label_smoothing=0.5)
+
+
+def test_preference_pairs_by_hand():
+    from rlworkers.algorithms.batch_ops import make_preference_pairs
+    from rlworkers.protocol import DataProto
+
+    # prompt a: scores 0.2, 0.9, 0.1 -> chosen row 1, rejected row 2; prompt b: all 0.5 -> no pair;
+    # prompt c: 1.0 then 0.0 -> rows 4, 5; prompt d: 0.3, 0.7 -> rows 7, 6
+    uids = np.array(["a", "a", "a", "b", "c", "c", "d", "d", "b"], dtype=object)
+    scores = np.array([0.2, 0.9, 0.1, 0.5, 1.0, 0.0, 0.3, 0.7, 0.5], dtype=object)
+    data = DataProto.from_dict({"row": torch.arange(9)}, {"uid": uids, "score": scores})
+    assert make_preference_pairs(data, world_size=1).batch["row"].tolist() == [1, 2, 4, 5, 7, 6]
+    # two ranks: 3 pairs do not split evenly, the last one is dropped
+    assert make_preference_pairs(data, world_size=2).batch["row"].tolist() == [1, 2, 4, 5]
+    assert len(make_preference_pairs(data, world_size=4)) == 0

@@ -1,10 +1,12 @@
-"""Algorithm steps on a whole DataProto (run by the controller between worker calls): advantages and the
-per-step data metrics with verl's names. Pure functions of their inputs; no Ray, no Prefect."""
+"""Algorithm steps on a whole DataProto (run by the controller between worker calls): advantages, online-DPO
+preference pairs and the per-step data metrics with verl's names. Pure functions of their inputs; no Ray, no
+Prefect."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlworkers.algorithms.advantages import AdvantageEstimator, compute_gae_advantage_return, get_adv_estimator_fn
@@ -70,3 +72,17 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
         metrics["actor/entropy_rollout"] = masked_mean(batch["entropys"], mask.float()).item()
     return metrics
 
+
+def make_preference_pairs(data: DataProto, world_size: int) -> DataProto:
+    """Online DPO's pairs: for each prompt (``uid``, in order of first appearance) whose responses' ``score`` differ,
+    its best response then its worst (the first of equals), as rows (chosen, rejected, chosen, rejected, ...). Only
+    whole pairs that split evenly over ``world_size`` ranks are kept (the rest are dropped, last first)."""
+    uids, scores = data.non_tensor_batch["uid"], data.non_tensor_batch["score"].astype(float)
+    order: list[int] = []
+    for uid in dict.fromkeys(uids):
+        rows = np.flatnonzero(uids == uid)
+        best, worst = rows[np.argmax(scores[rows])], rows[np.argmin(scores[rows])]
+        if scores[best] > scores[worst]:
+            order += [best, worst]
+    usable = len(order) // 2 // world_size * world_size * 2
+    return data.select_idxs(np.array(order[:usable], dtype=np.int64))
