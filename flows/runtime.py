@@ -211,14 +211,14 @@ class Run:
 
         Stage tasks ask Ray for no CPU: they only call the worker groups, whose placement groups hold the
         resources, so a cluster that lost a node still has room to run them. Ray does not re-run a stage task
-        whose node died (``max_retries=0``): ``recover`` decides what to redo. They get this process's
-        object-store settings (``save_checkpoint`` commits to the store)."""
+        whose node died (``max_retries=0``): ``recover`` decides what to redo. (On ``WarmRayTaskRunner`` the tasks
+        run in its host actor, which asks for no resources and gets this process's service and object-store
+        settings from ``host_env``.)"""
         from prefect_ray.context import remote_options
 
         status = "FAILED"
-        store = {"runtime_env": {"env_vars": env}} if (env := storage_env()) else {}
         try:
-            with remote_options(num_cpus=0, max_retries=0, **store):
+            with remote_options(num_cpus=0, max_retries=0):
                 while self.start_step == 1 and 0 not in self.val_scores:
                     try:
                         self.validate(step=0)

@@ -7,8 +7,8 @@ self-contained patch to ``prefect_ray/task_runners.py``):
 
 1. **One remote actor instead of one remote function per submit.** Stock ``submit`` wraps ``_run_prefect_task`` in a
    new ``ray.remote`` each time: Ray exports it to the GCS again, gives it a new scheduling class and leases a
-   worker for it (PrefectHQ/prefect#5653). Here the first submit starts a ``TaskHost`` actor (threaded, no CPU and
-   no GPU asked: the stage tasks only call the WorkerGroups, whose placement groups hold the resources; pinned to
+   worker for it (PrefectHQ/prefect#5653). Here the runner starts a ``TaskHost`` actor when it starts (threaded, no CPU
+   and no GPU asked: the stage tasks only call the WorkerGroups, whose placement groups hold the resources; pinned to
    the node of the flow process's own raylet, so losing another node never takes it away) and every submit is a
    method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh process per task.
 2. **Settings serialized once, validated once.** A stock submit dumps every Prefect setting into the task's
@@ -76,11 +76,6 @@ class TaskHost:
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
         self._lock = threading.Lock()
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
 
     def drain(self) -> None:
         """Send what the task runs logged and the state events still queued here (before the host is killed)."""
