@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from flows.cli import use_running_services
+    from flows.preflight import use_running_services
 
     use_running_services()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

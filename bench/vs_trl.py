@@ -103,7 +103,7 @@ def trl_spec(config) -> dict:
 # ---------------------------------------------------------------------------------------------- services, SFT model
 def ensure_services() -> bool:
     """Point this process (and so the children) at running servers; start them if none answer. True if started."""
-    from flows.cli import use_running_services
+    from flows.preflight import use_running_services
 
     use_running_services()
     if os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI"):

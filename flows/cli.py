@@ -12,54 +12,32 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.services import server_app
+from flows.launch import ALGORITHMS, get_flow, run_training
+from flows.preflight import require_prefect_api, use_running_services
+from flows.services import (
+    LOCAL_HOSTS,
+    MLFLOW_TRACKING_URI,
+    PREFECT_API_URL,
+    ServiceConfig,
+    ServiceError,
+    service_status,
+    start_services,
+    stop_services,
+)
 
 app = typer.Typer(help="RL post-training of language models as Prefect flows over Ray worker groups.",
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
+server_app = typer.Typer(help="Start, stop and inspect the local Prefect API server and MLflow tracking server.",
+                         no_args_is_help=True)
 app.add_typer(server_app, name="server")
 console = Console()
-
-ALGORITHMS = ("sft", "grpo", "ppo", "online_dpo")
-
-
-def get_flow(algorithm: str):
-    if algorithm == "sft":
-        from flows.sft import sft as flow_fn
-    elif algorithm == "grpo":
-        from flows.grpo import grpo as flow_fn
-    elif algorithm == "ppo":
-        from flows.ppo import ppo as flow_fn
-    elif algorithm == "online_dpo":
-        from flows.online_dpo import online_dpo as flow_fn
-    else:
-        raise typer.BadParameter(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    return flow_fn
-
-
-def use_running_services() -> None:
-    """Point this process at the servers `rlflow server up` started, unless the environment already names some."""
-    from flows.services import ServiceConfig, apply_service_env, service_status
-
-    if os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI"):
-        return
-    status = service_status(ServiceConfig())
-    if all(s.get("healthy") for s in status.values()) and status:
-        apply_service_env({"PREFECT_API_URL": status["prefect"]["url"] + "/api",
-                           "MLFLOW_TRACKING_URI": status["mlflow"]["url"]})
-
-
-def run_training(algorithm: str, config, return_state: bool = False):
-    """Run one training flow on the Ray task runner the config asks for (trainer.ray_address, ray_num_cpus)."""
-    from flows.runtime import ray_task_runner
-
-    runner = ray_task_runner(config.trainer.ray_address, config.trainer.ray_num_cpus)
-    return get_flow(algorithm).with_options(task_runner=runner)(config=config, return_state=return_state)
 
 
 @app.callback()
@@ -76,7 +54,10 @@ def train(
     """Train: validates the config (before anything starts), then runs the flow."""
     from flows.config import ConfigError, load_config
 
-    get_flow(algorithm)
+    try:
+        get_flow(algorithm)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
     try:
         cfg = load_config(config, overrides or [])
     except (ConfigError, FileNotFoundError, ValueError) as error:
@@ -128,7 +109,6 @@ def runs(limit: int = typer.Option(20, help="most recent runs to list"),
 def deploy() -> None:
     """Create (or update) the work pool, the deployments of deployments/prefect.yaml and the crash automations."""
     from flows.deploy import POOL, deploy_all, ensure_automations, ensure_work_pool
-    from flows.services import require_prefect_api
 
     use_running_services()
     require_prefect_api()
@@ -143,7 +123,6 @@ def deploy() -> None:
 def worker(limit: int = typer.Option(1, help="flow runs at once on this machine")) -> None:
     """Run a Prefect process worker on the rlflow pool: it starts the scheduled runs and watches their processes."""
     from flows.deploy import POOL
-    from flows.services import require_prefect_api
 
     use_running_services()
     require_prefect_api()
@@ -160,6 +139,75 @@ def demo(
     from flows.demo import main as run_demo
 
     run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps)
+
+
+# ---------------------------------------------------------------------------------------------- rlflow server
+_StateDir = typer.Option(None, "--state-dir", help="State folder [default: $RLFLOW_HOME or ./.rlflow].")
+
+
+def _cli_config(state_dir: Path | None, **overrides: Any) -> ServiceConfig:
+    values = {k: v for k, v in overrides.items() if v is not None}
+    if state_dir is not None:
+        values["state_dir"] = state_dir
+    return ServiceConfig(**values)
+
+
+@server_app.command()
+def up(state_dir: Path | None = _StateDir,
+       host: str = typer.Option("127.0.0.1", help="Interface to bind; 0.0.0.0 exposes both servers."),
+       prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
+       mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
+       timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints.")) -> None:
+    """Start both servers in the background (or reuse running ones) and print their URLs."""
+    config = _cli_config(state_dir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
+                         startup_timeout_s=timeout)
+    try:
+        with console.status("Starting the Prefect and MLflow servers..."):
+            urls = start_services(config)
+    except ServiceError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    table = Table(title=f"rlflow services ({config.state_dir})")
+    for column in ("service", "pid", "UI", "client setting"):
+        table.add_column(column, overflow="fold")
+    table.add_row("Prefect", str(urls["prefect_pid"]), urls["prefect_ui"], f"{PREFECT_API_URL}={urls[PREFECT_API_URL]}")
+    table.add_row("MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"],
+                  f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}")
+    console.print(table)
+    console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
+    if config.host not in LOCAL_HOSTS:
+        console.print(f"[yellow]Bound to {config.host}: both servers accept connections from the network, "
+                      "without authentication. MLflow accepts only localhost and private-IP Host headers "
+                      "(see `mlflow server --allowed-hosts`).[/yellow]")
+
+
+@server_app.command()
+def down(state_dir: Path | None = _StateDir) -> None:
+    """Stop both servers (idempotent)."""
+    stopped = stop_services(_cli_config(state_dir))
+    for name, was_running in stopped.items():
+        typer.echo(f"{name}: {'stopped' if was_running else 'was not running'}")
+
+
+@server_app.command()
+def status(state_dir: Path | None = _StateDir) -> None:
+    """Show url, pid and health of both servers; exit code 1 unless both are healthy."""
+    states = service_status(_cli_config(state_dir))
+    table = Table()
+    for column in ("service", "url", "pid", "alive", "healthy"):
+        table.add_column(column, overflow="fold")
+    for name, state in states.items():
+        table.add_row(name, state["url"], str(state["pid"] or "-"), _yes_no(state["alive"]), _yes_no(state["healthy"]))
+    console.print(table)
+    unhealthy = [state for state in states.values() if not state["healthy"]]
+    for state in unhealthy:
+        console.print(f"log: {state['log']}")
+    if unhealthy:
+        raise typer.Exit(1)
+
+
+def _yes_no(flag: bool) -> str:
+    return "[green]yes[/green]" if flag else "[red]no[/red]"
 
 
 if __name__ == "__main__":

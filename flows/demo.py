@@ -26,9 +26,10 @@ def _val_history(run_id: str) -> list[tuple[int, float]]:
 def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
     from mlflow.tracking import MlflowClient
 
-    from flows.cli import run_training
     from flows.config import load_config, runs_root
-    from flows.services import ServiceConfig, apply_service_env, start_services
+    from flows.launch import run_training
+    from flows.preflight import apply_service_env
+    from flows.services import ServiceConfig, start_services
 
     urls = start_services(ServiceConfig())
     apply_service_env(urls)

@@ -451,7 +451,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         RestartBudgetExhausted: the flow run crashed more than ``trainer.max_crash_restarts`` times.
         ModelReferenceError: ``model.path`` names an MLflow model that does not exist.
     """
-    from flows.services import require_mlflow_tracking, require_prefect_api
+    from flows.preflight import require_mlflow_tracking, require_prefect_api
 
     require_prefect_api()
     require_mlflow_tracking()

@@ -10,15 +10,14 @@ their pids in ``<state_dir>/services.json`` and writes ``<state_dir>/env.sh``::
     rlflow server status
     rlflow server down
 
+The ``rlflow server`` commands are in ``flows/cli.py``; the checks that flows run before they start (is the
+Prefect API reachable, is the MLflow tracking URI usable) are in ``flows/preflight.py``.
+
 Layout of the state folder::
 
     services.json  env.sh  logs/{prefect,mlflow}.log
     prefect/       PREFECT_HOME of the server: prefect.db (SQLite)
     mlflow/        mlflow.db (SQLite backend store), artifacts/ (served over HTTP by the tracking server)
-
-Flows call :func:`require_prefect_api` (and :func:`require_mlflow_tracking`) before they start: without
-PREFECT_API_URL Prefect would start a temporary in-process API server, and under the Ray task runner every Ray
-worker would start its own (../shared/reference/prefect_mlflow.md §0.6, §3), so those are refused with the fix.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import typer
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 logger = logging.getLogger(__name__)
@@ -49,8 +47,7 @@ PREFECT_API_URL = "PREFECT_API_URL"
 MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
 SERVICES = ("prefect", "mlflow")
 _SERVICES_FILE = "services.json"
-_ENV_FILE = "env.sh"
-_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 
@@ -83,6 +80,11 @@ class ServiceConfig(BaseModel):
     def _absolute(cls, value: Path) -> Path:
         # Absolute once, here: the SQLite URIs and env.sh must not depend on a later working directory.
         return value.expanduser().resolve()
+
+    @property
+    def env_file(self) -> Path:
+        """The shell file that exports PREFECT_API_URL and MLFLOW_TRACKING_URI (written by ``start_services``)."""
+        return self.state_dir / "env.sh"
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,10 @@ def _specs(config: ServiceConfig) -> dict[str, _Spec]:
 # ---------------------------------------------------------------------------------------------- processes
 
 
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_ok(url: str, timeout: float = 2.0) -> bool:
     """True when GET ``url`` answers 2xx. Loopback requests bypass any http_proxy of the environment."""
     host = urllib.parse.urlsplit(url).hostname or ""
-    handlers = [urllib.request.ProxyHandler({})] if host in _LOCAL_HOSTS else []
+    handlers = [urllib.request.ProxyHandler({})] if host in LOCAL_HOSTS else []
     try:
         with urllib.request.build_opener(*handlers).open(url, timeout=timeout) as response:
             return 200 <= response.status < 300
@@ -269,7 +271,7 @@ def _wait_healthy(specs: list[_Spec], procs: dict[str, subprocess.Popen[bytes]],
     deadline = time.monotonic() + timeout_s
     while pending:
         for name, spec in list(pending.items()):
-            if _http_ok(spec.health_url, timeout=1.0):
+            if http_ok(spec.health_url, timeout=1.0):
                 del pending[name]
             elif (code := procs[name].poll()) is not None:
                 raise ServiceError(f"The {name} server exited with code {code} before answering {spec.health_url}. "
@@ -325,7 +327,7 @@ def _service_urls(config: ServiceConfig, record: Mapping[str, Any]) -> dict[str,
         "mlflow_ui": mlflow["url"],
         "prefect_pid": prefect["pid"],
         "mlflow_pid": mlflow["pid"],
-        "env_file": str(config.state_dir / _ENV_FILE),
+        "env_file": str(config.env_file),
     }
 
 
@@ -361,7 +363,7 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
                 if old["url"] != spec.url:
                     raise ServiceError(f"A {name} server from {config.state_dir} already runs at {old['url']}, "
                                        f"not {spec.url}. Run `rlflow server down` first to change its address.")
-                if _http_ok(old["health_url"]):
+                if http_ok(old["health_url"]):
                     logger.info("Reusing the %s server at %s (pid %s)", name, old["url"], old["pid"])
                     continue
                 logger.warning("The %s server (pid %s) does not answer %s; restarting it",
@@ -428,166 +430,7 @@ def service_status(config: ServiceConfig | None = None) -> dict[str, dict[str, A
             "url": entry.get("url", spec.url),
             "pid": entry.get("pid"),
             "alive": bool(entry) and _is_ours(entry["pid"], name),
-            "healthy": _http_ok(entry.get("health_url", spec.health_url)),
+            "healthy": http_ok(entry.get("health_url", spec.health_url)),
             "log": entry.get("log", str(spec.log)),
         }
     return status
-
-
-def apply_service_env(urls: Mapping[str, Any]) -> None:
-    """Point this process at the services: set PREFECT_API_URL and MLFLOW_TRACKING_URI in ``os.environ``.
-
-    Prefect snapshots its settings when it is imported, so an already-imported prefect has its global settings
-    refreshed; an already-imported mlflow gets ``set_tracking_uri`` (which wins over the environment)."""
-    os.environ[PREFECT_API_URL] = str(urls[PREFECT_API_URL])
-    os.environ[MLFLOW_TRACKING_URI] = str(urls[MLFLOW_TRACKING_URI])
-    if "prefect.context" in sys.modules:
-        sys.modules["prefect.context"].refresh_global_settings_context()
-    if "mlflow" in sys.modules:
-        sys.modules["mlflow"].set_tracking_uri(urls[MLFLOW_TRACKING_URI])
-
-
-def _fix_hint() -> str:
-    env_file = ServiceConfig().state_dir / _ENV_FILE
-    with contextlib.suppress(ValueError):
-        env_file = env_file.relative_to(Path.cwd())
-    return f"run `rlflow server up` and then `source {env_file}`"
-
-
-def require_prefect_api() -> str:
-    """The effective PREFECT_API_URL (environment, profile or settings context), checked to be healthy.
-
-    Raises:
-        ServiceError: it is unset — Prefect would use a temporary in-process API server, and with the Ray task
-            runner every Ray worker would start its own — or its ``/health`` does not answer.
-    """
-    from prefect.settings import get_current_settings
-
-    url = get_current_settings().api.url
-    if not url:
-        raise ServiceError(
-            "PREFECT_API_URL is not set, so Prefect would run this flow on a temporary API server inside this "
-            "process. rlflow refuses that: with the Ray task runner every Ray worker would start its own "
-            "temporary server on the same SQLite file, task runs would not show up beside their flow run, and "
-            "the server would stop with the process, leaving no UI to follow the run. To fix it, "
-            f"{_fix_hint()} (or `export PREFECT_API_URL=http://127.0.0.1:4200/api` for a Prefect server you "
-            "already run).")
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host.endswith("prefect.cloud"):
-        return url  # Prefect Cloud: this check is for self-hosted servers
-    if not _http_ok(url.rstrip("/") + "/health"):
-        raise ServiceError(
-            f"PREFECT_API_URL={url} does not answer at {url.rstrip('/')}/health. Start the server: "
-            f"{_fix_hint()}; `rlflow server status` shows what runs.")
-    return url
-
-
-def require_mlflow_tracking() -> str:
-    """The MLflow tracking URI, checked: an http(s) server must answer ``/health``; ``sqlite:////abs/path.db``
-    (one writing process) and other database URIs are accepted; unset, relative SQLite and ``./mlruns`` file
-    stores are refused.
-
-    Raises:
-        ServiceError: with the reason and the fix.
-    """
-    from mlflow.tracking._tracking_service.utils import _resolve_tracking_uri, is_tracking_uri_set
-
-    if not is_tracking_uri_set():
-        raise ServiceError(
-            "MLFLOW_TRACKING_URI is not set, so MLflow would write to ./mlflow.db relative to whichever directory "
-            f"each process runs in. To fix it, {_fix_hint()} (or export MLFLOW_TRACKING_URI=http://host:port, or "
-            "sqlite:////absolute/path/mlflow.db for a single process).")
-    uri = _resolve_tracking_uri()
-    scheme = urllib.parse.urlsplit(uri).scheme
-    if scheme in ("http", "https"):
-        if not _http_ok(uri.rstrip("/") + "/health"):
-            raise ServiceError(f"MLFLOW_TRACKING_URI={uri} does not answer at {uri.rstrip('/')}/health. Start "
-                               f"the server: {_fix_hint()}; `rlflow server status` shows what runs.")
-    elif scheme == "sqlite" and not uri.startswith("sqlite:////"):
-        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a relative SQLite path (it depends on each process's "
-                           "working directory): use sqlite:////absolute/path/mlflow.db, or an MLflow server.")
-    elif scheme in ("", "file"):
-        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses. {_fix_hint()} "
-                           "(or use sqlite:////absolute/path/mlflow.db).")
-    return uri
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-server_app = typer.Typer(help="Start, stop and inspect the local Prefect API server and MLflow tracking server.",
-                         no_args_is_help=True)
-
-_StateDir = typer.Option(None, "--state-dir", help="State folder [default: $RLFLOW_HOME or ./.rlflow].")
-
-
-def _cli_config(state_dir: Path | None, **overrides: Any) -> ServiceConfig:
-    values = {k: v for k, v in overrides.items() if v is not None}
-    if state_dir is not None:
-        values["state_dir"] = state_dir
-    return ServiceConfig(**values)
-
-
-@server_app.command()
-def up(state_dir: Path | None = _StateDir,
-       host: str = typer.Option("127.0.0.1", help="Interface to bind; 0.0.0.0 exposes both servers."),
-       prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
-       mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
-       timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints.")) -> None:
-    """Start both servers in the background (or reuse running ones) and print their URLs."""
-    from rich.console import Console
-    from rich.table import Table
-
-    config = _cli_config(state_dir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
-                         startup_timeout_s=timeout)
-    console = Console()
-    try:
-        with console.status("Starting the Prefect and MLflow servers..."):
-            urls = start_services(config)
-    except ServiceError as error:
-        console.print(f"[red]{error}[/red]")
-        raise typer.Exit(1) from None
-    table = Table(title=f"rlflow services ({config.state_dir})")
-    for column in ("service", "pid", "UI", "client setting"):
-        table.add_column(column, overflow="fold")
-    table.add_row("Prefect", str(urls["prefect_pid"]), urls["prefect_ui"], f"{PREFECT_API_URL}={urls[PREFECT_API_URL]}")
-    table.add_row("MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"],
-                  f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}")
-    console.print(table)
-    console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
-    if config.host not in _LOCAL_HOSTS:
-        console.print(f"[yellow]Bound to {config.host}: both servers accept connections from the network, "
-                      "without authentication. MLflow accepts only localhost and private-IP Host headers "
-                      "(see `mlflow server --allowed-hosts`).[/yellow]")
-
-
-@server_app.command()
-def down(state_dir: Path | None = _StateDir) -> None:
-    """Stop both servers (idempotent)."""
-    stopped = stop_services(_cli_config(state_dir))
-    for name, was_running in stopped.items():
-        typer.echo(f"{name}: {'stopped' if was_running else 'was not running'}")
-
-
-@server_app.command()
-def status(state_dir: Path | None = _StateDir) -> None:
-    """Show url, pid and health of both servers; exit code 1 unless both are healthy."""
-    from rich.console import Console
-    from rich.table import Table
-
-    states = service_status(_cli_config(state_dir))
-    table = Table()
-    for column in ("service", "url", "pid", "alive", "healthy"):
-        table.add_column(column, overflow="fold")
-    for name, state in states.items():
-        table.add_row(name, state["url"], str(state["pid"] or "-"), _yes_no(state["alive"]), _yes_no(state["healthy"]))
-    console = Console()
-    console.print(table)
-    unhealthy = [state for state in states.values() if not state["healthy"]]
-    for state in unhealthy:
-        console.print(f"log: {state['log']}")
-    if unhealthy:
-        raise typer.Exit(1)
-
-
-def _yes_no(flag: bool) -> str:
-    return "[green]yes[/green]" if flag else "[red]no[/red]"

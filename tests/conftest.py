@@ -31,7 +31,8 @@ def services(tmp_path_factory):
     """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) for the whole session."""
     import socket
 
-    from flows.services import ServiceConfig, apply_service_env, start_services, stop_services
+    from flows.preflight import apply_service_env
+    from flows.services import ServiceConfig, start_services, stop_services
 
     def free_port() -> int:
         with socket.socket() as sock:

@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flows.cli import server_app
+from flows.preflight import apply_service_env, require_mlflow_tracking, require_prefect_api
 from flows.services import (
     MLFLOW_TRACKING_URI,
     PREFECT_API_URL,
     ServiceConfig,
     ServiceError,
-    apply_service_env,
-    require_mlflow_tracking,
-    require_prefect_api,
-    server_app,
     service_status,
     start_services,
     stop_services,

@@ -1,0 +1,32 @@
+"""Run a training flow by its algorithm's name: what ``rlflow train`` and the demo (``flows/demo.py``) call."""
+
+from __future__ import annotations
+
+ALGORITHMS = ("sft", "grpo", "ppo", "online_dpo")
+
+
+def get_flow(algorithm: str):
+    """The Prefect flow of ``algorithm``.
+
+    Raises:
+        ValueError: ``algorithm`` is not one of ``ALGORITHMS``.
+    """
+    if algorithm == "sft":
+        from flows.sft import sft as flow_fn
+    elif algorithm == "grpo":
+        from flows.grpo import grpo as flow_fn
+    elif algorithm == "ppo":
+        from flows.ppo import ppo as flow_fn
+    elif algorithm == "online_dpo":
+        from flows.online_dpo import online_dpo as flow_fn
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return flow_fn
+
+
+def run_training(algorithm: str, config, return_state: bool = False):
+    """Run one training flow on the Ray task runner the config asks for (trainer.ray_address, ray_num_cpus)."""
+    from flows.runtime import ray_task_runner
+
+    runner = ray_task_runner(config.trainer.ray_address, config.trainer.ray_num_cpus)
+    return get_flow(algorithm).with_options(task_runner=runner)(config=config, return_state=return_state)

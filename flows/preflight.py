@@ -1,0 +1,108 @@
+"""Pre-flight checks: what a process needs before it runs a flow, and the fix when it is missing.
+
+Flows call :func:`require_prefect_api` and :func:`require_mlflow_tracking` before they start: without
+PREFECT_API_URL Prefect would start a temporary in-process API server, and under the Ray task runner every Ray
+worker would start its own (../shared/reference/prefect_mlflow.md §0.6, §3), so those are refused with the fix.
+:func:`use_running_services` points the CLI at the servers ``rlflow server up`` started (``flows/services.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flows.services import MLFLOW_TRACKING_URI, PREFECT_API_URL, ServiceConfig, ServiceError, http_ok, service_status
+
+
+def apply_service_env(urls: Mapping[str, Any]) -> None:
+    """Point this process at the services: set PREFECT_API_URL and MLFLOW_TRACKING_URI in ``os.environ``.
+
+    Prefect snapshots its settings when it is imported, so an already-imported prefect has its global settings
+    refreshed; an already-imported mlflow gets ``set_tracking_uri`` (which wins over the environment)."""
+    os.environ[PREFECT_API_URL] = str(urls[PREFECT_API_URL])
+    os.environ[MLFLOW_TRACKING_URI] = str(urls[MLFLOW_TRACKING_URI])
+    if "prefect.context" in sys.modules:
+        sys.modules["prefect.context"].refresh_global_settings_context()
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(urls[MLFLOW_TRACKING_URI])
+
+
+
+def use_running_services() -> None:
+    """Point this process at the servers `rlflow server up` started, unless the environment already names some."""
+    if os.environ.get(PREFECT_API_URL) and os.environ.get(MLFLOW_TRACKING_URI):
+        return
+    status = service_status(ServiceConfig())
+    if all(s.get("healthy") for s in status.values()) and status:
+        apply_service_env({PREFECT_API_URL: status["prefect"]["url"] + "/api",
+                           MLFLOW_TRACKING_URI: status["mlflow"]["url"]})
+
+
+def _fix_hint() -> str:
+    env_file = ServiceConfig().env_file
+    with contextlib.suppress(ValueError):
+        env_file = env_file.relative_to(Path.cwd())
+    return f"run `rlflow server up` and then `source {env_file}`"
+
+
+def require_prefect_api() -> str:
+    """The effective PREFECT_API_URL (environment, profile or settings context), checked to be healthy.
+
+    Raises:
+        ServiceError: it is unset — Prefect would use a temporary in-process API server, and with the Ray task
+            runner every Ray worker would start its own — or its ``/health`` does not answer.
+    """
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        raise ServiceError(
+            "PREFECT_API_URL is not set, so Prefect would run this flow on a temporary API server inside this "
+            "process. rlflow refuses that: with the Ray task runner every Ray worker would start its own "
+            "temporary server on the same SQLite file, task runs would not show up beside their flow run, and "
+            "the server would stop with the process, leaving no UI to follow the run. To fix it, "
+            f"{_fix_hint()} (or `export PREFECT_API_URL=http://127.0.0.1:4200/api` for a Prefect server you "
+            "already run).")
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host.endswith("prefect.cloud"):
+        return url  # Prefect Cloud: this check is for self-hosted servers
+    if not http_ok(url.rstrip("/") + "/health"):
+        raise ServiceError(
+            f"PREFECT_API_URL={url} does not answer at {url.rstrip('/')}/health. Start the server: "
+            f"{_fix_hint()}; `rlflow server status` shows what runs.")
+    return url
+
+
+def require_mlflow_tracking() -> str:
+    """The MLflow tracking URI, checked: an http(s) server must answer ``/health``; ``sqlite:////abs/path.db``
+    (one writing process) and other database URIs are accepted; unset, relative SQLite and ``./mlruns`` file
+    stores are refused.
+
+    Raises:
+        ServiceError: with the reason and the fix.
+    """
+    from mlflow.tracking._tracking_service.utils import _resolve_tracking_uri, is_tracking_uri_set
+
+    if not is_tracking_uri_set():
+        raise ServiceError(
+            "MLFLOW_TRACKING_URI is not set, so MLflow would write to ./mlflow.db relative to whichever directory "
+            f"each process runs in. To fix it, {_fix_hint()} (or export MLFLOW_TRACKING_URI=http://host:port, or "
+            "sqlite:////absolute/path/mlflow.db for a single process).")
+    uri = _resolve_tracking_uri()
+    scheme = urllib.parse.urlsplit(uri).scheme
+    if scheme in ("http", "https"):
+        if not http_ok(uri.rstrip("/") + "/health"):
+            raise ServiceError(f"MLFLOW_TRACKING_URI={uri} does not answer at {uri.rstrip('/')}/health. Start "
+                               f"the server: {_fix_hint()}; `rlflow server status` shows what runs.")
+    elif scheme == "sqlite" and not uri.startswith("sqlite:////"):
+        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a relative SQLite path (it depends on each process's "
+                           "working directory): use sqlite:////absolute/path/mlflow.db, or an MLflow server.")
+    elif scheme in ("", "file"):
+        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses. {_fix_hint()} "
+                           "(or use sqlite:////absolute/path/mlflow.db).")
+    return uri
