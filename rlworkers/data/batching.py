@@ -13,7 +13,11 @@ from typing import Sequence
 import torch
 
 from rlworkers.protocol import DataProto
-from rlworkers.workers.common import compute_position_id_with_mask
+
+
+def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only (left padding gets position 0). ``[B, T] -> [B, T]``."""
+    return torch.clip(torch.cumsum(mask, dim=-1) - 1, min=0)
 
 
 def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

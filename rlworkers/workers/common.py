@@ -17,11 +17,6 @@ from rlworkers.storage import staged_dir
 from rlworkers.workers.config import OptimConfig
 
 
-def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only (left padding gets position 0). ``[B, T] -> [B, T]``."""
-    return torch.clip(torch.cumsum(mask, dim=-1) - 1, min=0)
-
-
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[label]`` per position. ``[B, T, V], [B, T] -> [B, T]``."""
     return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)

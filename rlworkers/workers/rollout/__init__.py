@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlworkers.data.batching import compute_position_id_with_mask
 from rlworkers.protocol import DataProto
-from rlworkers.workers.common import compute_position_id_with_mask
 
 
 @dataclass(frozen=True)
