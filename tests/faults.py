@@ -75,9 +75,10 @@ def after(injector: Injector, count: int) -> Callable[[], bool]:
 class TcpProxy(threading.Thread):
     """A TCP relay on 127.0.0.1 in front of ``target_port``: clients connect to ``port``. ``cut()`` is a network
     partition as an operator would make one (every open connection reset, new ones refused at once);
-    ``restore()`` ends it. ``cut_at(marker, nth)`` cuts when the ``nth`` client request containing ``marker``
-    arrives, before it is relayed (the ones before it pass): a partition at an exact point of a protocol,
-    whatever the load on the machine."""
+    ``restore()`` ends it. ``cut_at(marker, nth)`` partitions at an exact point of a protocol, whatever the load
+    on the machine: the ``nth`` client request containing ``marker`` is refused before it is relayed, and so is
+    every request and connection after it, while the requests already relayed finish (an HTTP request is a
+    client chunk that starts with a method; the rest of a body already under way still passes)."""
 
     def __init__(self, target_port: int):
         super().__init__(daemon=True)
@@ -109,8 +110,9 @@ class TcpProxy(threading.Thread):
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
-                if from_client and self._triggered(data):
-                    self.cut()
+                if from_client and (self._triggered(data) or (self.is_cut.is_set() and _starts_request(data))):
+                    self.is_cut.set()
+                    _reset(source)
                     return
                 sink.sendall(data)
         except OSError:
@@ -146,6 +148,10 @@ class TcpProxy(threading.Thread):
         self._halt.set()
         self.cut()
         self.listener.close()
+
+
+def _starts_request(data: bytes) -> bool:
+    return data.split(b" ", 1)[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE", b"PATCH", b"OPTIONS")
 
 
 def _reset(sock: socket.socket) -> None:
