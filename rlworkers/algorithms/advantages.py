@@ -10,7 +10,6 @@ Implemented (``AdvantageEstimator`` value -> function):
 * ``rloo`` -> :func:`compute_rloo_outcome_advantage`: leave-one-out baseline (Ahmadian et al., arXiv:2402.14740).
 * ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline``: REINFORCE++ (Hu, arXiv:2501.03262), discounted
   token returns whitened over the batch / group-mean baseline then whitened.
-* ``remax`` -> :func:`compute_remax_outcome_advantage`: greedy-rollout baseline (Li et al., arXiv:2310.10505).
 
 Every estimator returns ``(advantages, returns)``, both ``[B, T]``, computed without grad. Outcome
 estimators accept and ignore extra keyword arguments, so a trainer can call
@@ -42,7 +41,6 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "compute_remax_outcome_advantage",
     "compute_token_level_scores",
 ]
 
@@ -56,7 +54,6 @@ class AdvantageEstimator(str, Enum):
     RLOO = "rloo"
     REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
     REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
-    REMAX = "remax"
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -350,32 +347,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     adv = centred.unsqueeze(-1) * mask
     adv = masked_whiten(adv, response_mask) * mask
     return adv, adv
-
-
-@register_adv_est(AdvantageEstimator.REMAX)
-@torch.no_grad()
-def compute_remax_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    reward_baselines: torch.Tensor,
-    response_mask: torch.Tensor,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReMax (arXiv:2310.10505): reward-to-go minus the reward of the greedy response to the same prompt.
-
-    Args:
-        token_level_rewards: ``[B, T]``.
-        reward_baselines: ``[B]`` score of the greedy (argmax) rollout per row.
-        response_mask: ``[B, T]``.
-
-    Returns:
-        advantages ``[B, T]`` = returns - baseline on masked tokens; returns ``[B, T]`` = undiscounted
-        reward-to-go of the masked rewards.
-    """
-    mask = response_mask.to(token_level_rewards.dtype)
-    returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
-    advantages = returns - reward_baselines.unsqueeze(-1) * mask
-    return advantages, returns
 
 
 def compute_token_level_scores(scores: torch.Tensor | Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:

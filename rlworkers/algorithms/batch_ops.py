@@ -39,8 +39,7 @@ def compute_advantage(data: DataProto, adv_estimator: str, *, gamma: float = 1.0
         advantages, returns = estimator(token_level_rewards=rewards, response_mask=mask,
                                         index=data.non_tensor_batch["uid"], gamma=gamma,
                                         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-                                        config=config if config is not None else {"gamma": gamma},
-                                        reward_baselines=batch.get("reward_baselines", None))
+                                        config=config if config is not None else {"gamma": gamma})
     batch["advantages"], batch["returns"] = advantages, returns
     return data, metrics
 

@@ -10,7 +10,7 @@ The code lives in modules split by responsibility:
 
 * :mod:`rlworkers.algorithms.advantages` - ``AdvantageEstimator``, ``register_adv_est`` /
   ``get_adv_estimator_fn`` and the estimators (gae, grpo, grpo_passk, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline, remax), ``compute_token_level_scores``.
+  reinforce_plus_plus_baseline), ``compute_token_level_scores``.
 * :mod:`rlworkers.algorithms.kl` - ``kl_penalty`` estimators, Fixed/Adaptive KL controllers,
   ``apply_kl_penalty``.
 * :mod:`rlworkers.algorithms.losses` - ``agg_loss``, ``register_policy_loss`` / ``get_policy_loss_fn``
@@ -22,86 +22,14 @@ Tensor shapes in the docstrings: ``B`` rows (sequences), ``T`` response tokens, 
 Tests: ``pytest tests/test_algorithms.py`` (hand-computed values).
 """
 
-from rlworkers.algorithms.advantages import (
-    ADV_ESTIMATOR_REGISTRY,
-    AdvantageEstimator,
-    compute_gae_advantage_return,
-    compute_grpo_outcome_advantage,
-    compute_grpo_passk_outcome_advantage,
-    compute_reinforce_plus_plus_baseline_outcome_advantage,
-    compute_reinforce_plus_plus_outcome_advantage,
-    compute_remax_outcome_advantage,
-    compute_rloo_outcome_advantage,
-    compute_token_level_scores,
-    get_adv_estimator_fn,
-    register_adv_est,
-)
-from rlworkers.algorithms.kl import (
-    KL_PENALTY_MODES,
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    apply_kl_penalty,
-    get_kl_controller,
-    kl_penalty,
-)
-from rlworkers.algorithms.losses import (
-    LOSS_AGG_MODES,
-    POLICY_LOSS_REGISTRY,
-    PolicyLossConfig,
-    PolicyLossFn,
-    agg_loss,
-    compute_dpo_loss,
-    compute_entropy_loss,
-    compute_policy_loss_gspo,
-    compute_policy_loss_vanilla,
-    compute_value_loss,
-    get_policy_loss_fn,
-    register_policy_loss,
-    resolve_policy_loss_config,
-)
-from rlworkers.algorithms.utils import entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
+from rlworkers.algorithms import advantages as _advantages
+from rlworkers.algorithms import kl as _kl
+from rlworkers.algorithms import losses as _losses
+from rlworkers.algorithms import utils as _utils
+from rlworkers.algorithms.advantages import *  # noqa: F403
+from rlworkers.algorithms.kl import *  # noqa: F403
+from rlworkers.algorithms.losses import *  # noqa: F403
+from rlworkers.algorithms.utils import *  # noqa: F403
 
-__all__ = [
-    # advantages
-    "ADV_ESTIMATOR_REGISTRY",
-    "AdvantageEstimator",
-    "register_adv_est",
-    "get_adv_estimator_fn",
-    "compute_gae_advantage_return",
-    "compute_grpo_outcome_advantage",
-    "compute_grpo_passk_outcome_advantage",
-    "compute_rloo_outcome_advantage",
-    "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "compute_remax_outcome_advantage",
-    "compute_token_level_scores",
-    # KL
-    "KL_PENALTY_MODES",
-    "kl_penalty",
-    "KLController",
-    "FixedKLController",
-    "AdaptiveKLController",
-    "get_kl_controller",
-    "apply_kl_penalty",
-    # losses
-    "LOSS_AGG_MODES",
-    "agg_loss",
-    "PolicyLossConfig",
-    "resolve_policy_loss_config",
-    "PolicyLossFn",
-    "POLICY_LOSS_REGISTRY",
-    "register_policy_loss",
-    "get_policy_loss_fn",
-    "compute_policy_loss_vanilla",
-    "compute_policy_loss_gspo",
-    "compute_entropy_loss",
-    "compute_value_loss",
-    "compute_dpo_loss",
-    # masked helpers
-    "masked_sum",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
-    "entropy_from_logits",
-]
+# Each module's __all__ is its public surface; this module adds nothing of its own.
+__all__ = [*_advantages.__all__, *_kl.__all__, *_losses.__all__, *_utils.__all__]

@@ -20,8 +20,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "entropy_from_logits",
-    "config_get",
-    "same_definition",
 ]
 
 

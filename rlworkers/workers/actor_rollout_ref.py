@@ -147,7 +147,7 @@ class ActorRolloutRefWorker(Worker):
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss_fn(
             batch["old_log_probs"], log_prob, batch["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
             config=cfg)
-        entropy = core_algos.agg_loss(common.entropy_from_logits(logits), mask, cfg.loss_agg_mode)
+        entropy = core_algos.compute_entropy_loss(logits, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy
         stats = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
                  "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": clipfrac_lower.item(),
