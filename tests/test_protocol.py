@@ -80,7 +80,7 @@ def test_chunk_split_concat_and_metrics_merge():
         data.chunk(4)
     assert [len(p) for p in data.split(4)] == [4, 2]
     chunks[0].meta_info["metrics"] = {"loss": 1.0}
-    chunks[1].meta_info["metrics"] = {"loss": [2.0, 3.0]}
+    chunks[1].meta_info["metrics"] = [{"loss": 2.0}, {"loss": 3.0}]  # a list of dicts: one per worker, as in verl
     merged = DataProto.concat(chunks)
     assert merged.meta_info["metrics"] == {"loss": [1.0, 2.0, 3.0]}
     merged.meta_info.pop("metrics")
