@@ -1,6 +1,7 @@
-"""Run configuration: pydantic models (so Prefect deployments get parameter forms), YAML presets in ``configs/``
-and ``key=value`` overrides from the command line. Everything is validated before any worker starts; an error
-names the field and what to change.
+"""Run configuration: pydantic models (so Prefect deployments get parameter forms), YAML presets in
+``flows/configs/`` (package data, so an installed rlflow has them; ``configs/`` at the repo root links there) and
+``key=value`` overrides from the command line. Everything is validated before any worker starts; an error names the
+field and what to change.
 
     config = load_config("configs/demo.yaml", ["trainer.total_steps=50", "actor.optim.lr=1e-4"])
 """
@@ -24,7 +25,7 @@ from rlworkers.workers.config import (
     WorkerConfig,
 )
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # model.path may name a model in MLflow: models:/<name>@<alias>, models:/<name>/<version>, runs:/<run id>/<path>
 MODEL_REFERENCE = re.compile(r"^(models:/[^/@]+(@[^/]+|/\d+)|runs:/[0-9a-f]{32}/.+)$")
 
@@ -184,7 +185,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def resolve_preset(path_or_name: str) -> Path:
-    """A YAML path, or the name of a preset in configs/ ('demo' -> configs/demo.yaml)."""
+    """A YAML path, or the name of a preset in flows/configs/ ('demo' -> flows/configs/demo.yaml)."""
     candidate = Path(path_or_name)
     if candidate.is_file():
         return candidate
