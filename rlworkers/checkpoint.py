@@ -41,6 +41,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rlworkers.storage import basename, filesystem, join_path
+
 __all__ = [
     "CorruptCheckpointError",
     "CheckpointSaveError",
@@ -101,27 +103,13 @@ class CheckpointSaveError(RuntimeError):
 # ----------------------------------------------------------------------------------------------- paths / io
 
 
-def _fs(path: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, stripped = fsspec.core.url_to_fs(os.fspath(path))
-    return fs, stripped.rstrip("/") or stripped
-
-
-def _join(base: str | os.PathLike, *parts: str) -> str:
-    """Join keeping the caller's form of ``base`` (a URL stays a URL), with ``/`` as fsspec expects."""
-    return "/".join([os.fspath(base).rstrip("/"), *parts])
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
 def _step_of(step_dir: str | os.PathLike) -> int | None:
-    match = _STEP_RE.match(_basename(os.fspath(step_dir)))
+    match = _STEP_RE.match(basename(os.fspath(step_dir)))
     return int(match.group(1)) if match else None
 
 
 def _write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     parent, name = p.rsplit("/", 1)
     if isinstance(fs, LocalFileSystem):
         # Temp file + fsync + rename: a reader sees the old file or the whole new one, never a torn write.
@@ -157,7 +145,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file from any fsspec path. Raises FileNotFoundError if it does not exist."""
-    fs, p = _fs(path)
+    fs, p = filesystem(path)
     with fs.open(p, "rb") as f:
         return json.loads(f.read().decode("utf-8"))
 
@@ -179,7 +167,7 @@ def _list_files(fs: fsspec.AbstractFileSystem, p: str) -> list[str]:
         full = full.rstrip("/")
         assert full.startswith(p + "/"), (full, p)
         rel = full[len(p) + 1 :]
-        if rel == MANIFEST_NAME or _TMP_RE.match(_basename(rel)):
+        if rel == MANIFEST_NAME or _TMP_RE.match(basename(rel)):
             continue
         rels.append(rel)
     return sorted(rels)
@@ -200,8 +188,8 @@ def begin_checkpoint(root: str | os.PathLike, step: int, *, overwrite: bool = Fa
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
-    step_dir = _join(root, f"step_{step}")
-    fs, p = _fs(step_dir)
+    step_dir = join_path(root, f"step_{step}")
+    fs, p = filesystem(step_dir)
     fs.invalidate_cache(p)
     if fs.exists(p):
         try:
@@ -238,7 +226,7 @@ def commit_checkpoint(step_dir: str | os.PathLike, metadata: dict | None = None,
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise TypeError(f"commit_checkpoint metadata must be a dict, got {type(metadata).__name__}")
-    fs, p = _fs(step_dir)
+    fs, p = filesystem(step_dir)
     rels = _list_files(fs, p) if fs.exists(p) else []
     if not rels:
         raise ValueError(f"cannot commit {step_dir}: it holds no file. Workers must write into this folder "
@@ -261,7 +249,7 @@ def commit_checkpoint(step_dir: str | os.PathLike, metadata: dict | None = None,
         data = json.dumps(manifest, indent=2).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint metadata for {step_dir} is not JSON-serialisable: {exc}") from exc
-    _write_bytes_atomic(_join(step_dir, MANIFEST_NAME), data)  # the commit point
+    _write_bytes_atomic(join_path(step_dir, MANIFEST_NAME), data)  # the commit point
     logger.info("committed checkpoint %s (%d files, %d bytes)", step_dir, len(files),
                 sum(f["size"] for f in files.values()))
     return manifest
@@ -301,7 +289,7 @@ def verify_checkpoint(step_dir: str | os.PathLike, *, check_hashes: bool = True,
             missing file, size or sha256 mismatch; the message names the folder and the first problem.
     """
     step_dir = os.fspath(step_dir)
-    fs, p = _fs(step_dir)
+    fs, p = filesystem(step_dir)
     manifest = _load_manifest(step_dir, fs, p)
     folder_step = _step_of(step_dir)
     if folder_step is not None and manifest.get("step") != folder_step:
@@ -332,16 +320,16 @@ def verify_checkpoint(step_dir: str | os.PathLike, *, check_hashes: bool = True,
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, str]]:
     """``(step, step_dir)`` of every ``step_<N>`` folder under ``root``, valid or not, sorted by step."""
-    fs, p = _fs(root)
+    fs, p = filesystem(root)
     fs.invalidate_cache(p)
     if not fs.exists(p):
         return []
     found = []
     for entry in fs.ls(p, detail=True):
-        name = _basename(entry["name"])
+        name = basename(entry["name"])
         step = _step_of(name)
         if step is not None and entry.get("type") == "directory":
-            found.append((step, _join(root, name)))
+            found.append((step, join_path(root, name)))
     return sorted(found)
 
 
@@ -389,7 +377,7 @@ def resolve_resume(root: str | os.PathLike, resume: str, *,
         else:
             logger.info("resume='auto': resuming from %s", found[0])
         return found
-    fs, p = _fs(resume)
+    fs, p = filesystem(resume)
     if not fs.exists(p):
         raise FileNotFoundError(f"resume={resume!r}: no such checkpoint folder. Pass resume='auto' to continue "
                                 "from the newest valid checkpoint of this run, resume='never' to start fresh, or "
@@ -450,7 +438,7 @@ def apply_retention(root: str | os.PathLike, keep_last: int | None, *, check_has
             continue
         kind = "valid" if step in valid else "invalid/partial"
         logger.info("retention (keep_last=%d): deleting %s checkpoint %s", keep_last, kind, step_dir)
-        fs, p = _fs(step_dir)
+        fs, p = filesystem(step_dir)
         _remove_checkpoint(fs, p)
         deleted.append(step_dir)
     return deleted

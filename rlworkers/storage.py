@@ -24,7 +24,8 @@ from pathlib import Path
 
 import fsspec
 
-__all__ = ["is_remote", "staged_dir", "local_dir", "cached_copy", "download_dir", "upload_dir", "storage_env"]
+__all__ = ["is_remote", "filesystem", "join_path", "basename", "staged_dir", "local_dir", "cached_copy", "download_dir",
+           "upload_dir", "storage_env"]
 
 COMPLETE_MARKER = ".complete"
 # Variables that configure object-store clients (botocore/s3fs: credentials, endpoint, retries; fsspec's own).
@@ -43,10 +44,25 @@ def is_remote(path: str | os.PathLike) -> bool:
     return protocol not in (None, "file", "local")
 
 
+def filesystem(path: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of ``path`` and the path within it (no protocol, no trailing ``/``)."""
+    fs, stripped = fsspec.core.url_to_fs(os.fspath(path))
+    return fs, stripped.rstrip("/") or stripped
+
+
+def join_path(base: str | os.PathLike, *parts: str) -> str:
+    """``base/part/...`` with ``/`` as fsspec expects, keeping the form of ``base`` (a URL stays a URL)."""
+    return "/".join([os.fspath(base).rstrip("/"), *parts])
+
+
+def basename(path: str | os.PathLike) -> str:
+    """The last component of a path or URL."""
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
 def upload_dir(local: str | os.PathLike, url: str) -> None:
     """Copy every file under ``local`` to ``url``, keeping relative paths (existing files there stay)."""
-    fs, root = fsspec.core.url_to_fs(url)
-    root = root.rstrip("/")
+    fs, root = filesystem(url)
     for path in sorted(Path(local).rglob("*")):
         if path.is_file():
             fs.put_file(str(path), f"{root}/{path.relative_to(local).as_posix()}")
@@ -59,8 +75,7 @@ def download_dir(url: str, local: str | os.PathLike) -> None:
     Raises:
         FileNotFoundError: ``url`` holds no file.
     """
-    fs, root = fsspec.core.url_to_fs(url)
-    root = root.rstrip("/")
+    fs, root = filesystem(url)
     fs.invalidate_cache(root)
     files = fs.find(root, withdirs=False)
     if not files:
@@ -105,8 +120,7 @@ def cached_copy(path: str | os.PathLike, cache_root: str | os.PathLike | None = 
     if not is_remote(path):
         return path
     cache_root = Path(cache_root) if cache_root else Path.home() / ".cache" / "rlflow" / "remote"
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    target = cache_root / f"{hashlib.sha256(path.encode()).hexdigest()[:16]}-{name}"
+    target = cache_root / f"{hashlib.sha256(path.encode()).hexdigest()[:16]}-{basename(path)}"
     if (target / COMPLETE_MARKER).exists():
         return str(target)
     shutil.rmtree(target, ignore_errors=True)

@@ -23,6 +23,7 @@ from rlworkers.checkpoint import (
     verify_checkpoint,
     write_json,
 )
+from rlworkers.storage import basename, filesystem, join_path
 
 LOGGER = "rlworkers.checkpoint"
 
@@ -302,3 +303,11 @@ def test_resolve_resume_auto_never_and_paths(root):
         resolve_resume(root, root)
     with pytest.raises(TypeError, match="auto"):
         resolve_resume(root, None)
+
+
+def test_path_helpers_keep_urls_and_strip_trailing_slashes(tmp_path):
+    fs, path = filesystem("memory://bucket/runs/x/")
+    assert "memory" in fs.protocol and path == "/bucket/runs/x"
+    assert filesystem(f"{tmp_path}/runs/")[1] == f"{tmp_path}/runs"
+    assert join_path("s3://bucket/runs/", "x", "step_3") == "s3://bucket/runs/x/step_3"
+    assert basename("s3://bucket/runs/x/step_3/") == "step_3"

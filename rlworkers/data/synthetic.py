@@ -27,6 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlworkers.storage import filesystem, join_path
+
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "addition"
@@ -88,16 +90,16 @@ def make_addition_dataset(
 ) -> dict[str, str]:
     """Write the addition task to ``out_dir`` and return ``{"train": url, "validation": url}``."""
     out_dir = os.fspath(out_dir)
-    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs, root = filesystem(out_dir)
     fs.makedirs(root, exist_ok=True)
     rows = addition_rows(num_train=num_train, num_val=num_val, max_digits=max_digits, seed=seed)
     paths = {}
     for split, split_rows in rows.items():
-        paths[split] = _join(out_dir, SPLIT_FILES[split])
+        paths[split] = join_path(out_dir, SPLIT_FILES[split])
         with fsspec.open(paths[split], "wb") as f:
             pq.write_table(pa.Table.from_pylist(split_rows), f)
     meta = {"num_train": num_train, "num_val": num_val, "max_digits": max_digits, "seed": seed}
-    with fsspec.open(_join(out_dir, META_FILE), "w") as f:
+    with fsspec.open(join_path(out_dir, META_FILE), "w") as f:
         json.dump(meta, f)
     logger.info("wrote addition dataset (%d train, %d validation) to %s", num_train, num_val, out_dir)
     return paths
@@ -108,15 +110,11 @@ def ensure_addition_dataset(out_dir: str | os.PathLike, **params) -> dict[str, s
     parameters (recorded in ``meta.json``)."""
     out_dir = os.fspath(out_dir)
     wanted = {"num_train": 2000, "num_val": 200, "max_digits": 2, "seed": 0, **params}
-    fs, root = fsspec.core.url_to_fs(out_dir)
-    paths = {split: _join(out_dir, name) for split, name in SPLIT_FILES.items()}
-    meta_path = _join(out_dir, META_FILE)
-    if fs.exists(_join(root, META_FILE)) and all(fs.exists(_join(root, n)) for n in SPLIT_FILES.values()):
+    fs, root = filesystem(out_dir)
+    paths = {split: join_path(out_dir, name) for split, name in SPLIT_FILES.items()}
+    meta_path = join_path(out_dir, META_FILE)
+    if fs.exists(join_path(root, META_FILE)) and all(fs.exists(join_path(root, n)) for n in SPLIT_FILES.values()):
         with fsspec.open(meta_path, "r") as f:
             if json.load(f) == wanted:
                 return paths
     return make_addition_dataset(out_dir, **wanted)
-
-
-def _join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name
