@@ -15,7 +15,7 @@ from prefect import flow
 
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
-from flows.runtime import default_task_runner, start_run
+from flows.runtime import ray_task_runner, start_run
 from flows.stages import (
     compute_advantage,
     compute_log_prob,
@@ -28,7 +28,7 @@ from flows.stages import (
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_actor"]]
 
 
-@flow(name="grpo", task_runner=default_task_runner(), persist_result=False,
+@flow(name="grpo", task_runner=ray_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))

@@ -25,8 +25,5 @@ def get_flow(algorithm: str):
 
 
 def run_training(algorithm: str, config, return_state: bool = False):
-    """Run one training flow on the Ray task runner the config asks for (trainer.ray_address, ray_num_cpus)."""
-    from flows.runtime import ray_task_runner
-
-    runner = ray_task_runner(config.trainer.ray_address, config.trainer.ray_num_cpus)
-    return get_flow(algorithm).with_options(task_runner=runner)(config=config, return_state=return_state)
+    """Run one training flow; it starts Ray as its config asks (trainer.ray_address, trainer.ray_num_cpus)."""
+    return get_flow(algorithm)(config=config, return_state=return_state)

@@ -17,7 +17,7 @@ from prefect import flow, task
 
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
-from flows.runtime import default_task_runner, start_run
+from flows.runtime import ray_task_runner, start_run
 from flows.stages import IDEMPOTENT, compute_ref_log_prob, compute_reward, generate_sequences, update_actor_dpo
 from rlworkers.algorithms.batch_ops import compute_data_metrics, make_preference_pairs
 from rlworkers.protocol import DataProto
@@ -38,7 +38,7 @@ def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, 
     return pairs
 
 
-@flow(name="online_dpo", task_runner=default_task_runner(), persist_result=False,
+@flow(name="online_dpo", task_runner=ray_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def online_dpo(config: RLConfig) -> dict:
     if config.rollout.n < 2:

@@ -15,7 +15,7 @@ from prefect import flow
 
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
-from flows.runtime import default_task_runner, start_run
+from flows.runtime import ray_task_runner, start_run
 from flows.stages import (
     compute_advantage,
     compute_log_prob,
@@ -30,7 +30,7 @@ from flows.stages import (
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], ["update_actor", "update_critic"]]
 
 
-@flow(name="ppo", task_runner=default_task_runner(), persist_result=False,
+@flow(name="ppo", task_runner=ray_task_runner(), persist_result=False,
       validate_parameters=True, flow_run_name=flow_run_name)
 def ppo(config: RLConfig) -> dict:
     if config.algorithm.adv_estimator != "gae":

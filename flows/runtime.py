@@ -457,6 +457,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     require_mlflow_tracking()
     check_runs_dir_writable(config)
     reap_orphaned_ray_agents()
+    _flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
     config = config.model_copy(update={"trainer": config.trainer.model_copy(
         update={"run_name": lineage.run_name(config, algorithm)})})
     name = config.trainer.run_name
@@ -557,6 +558,19 @@ def check_runs_dir_writable(config: RLConfig) -> None:
                               "Checkpoints, the run record and the final model go there. Fix: pick a folder you can "
                               "write (or fix its permissions), or for s3:// check the bucket exists and the "
                               "credentials (AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible store).") from error
+
+
+def _flow_task_runner():
+    """The task runner of the flow run this process is in; training flows run on ``ray_task_runner()``."""
+    from prefect.context import FlowRunContext
+
+    from flows.task_runner import WarmRayTaskRunner
+
+    runner = FlowRunContext.get().task_runner
+    if not isinstance(runner, WarmRayTaskRunner):
+        raise TypeError(f"training flows run on flows.runtime.ray_task_runner(), not {type(runner).__name__}: drop "
+                        "the task_runner of `flow.with_options(...)`")
+    return runner
 
 
 def _start_model(config: RLConfig) -> tuple[str, str]:
@@ -681,23 +695,24 @@ def _service_env() -> dict[str, str]:
                if k in os.environ}, **storage_env()}
 
 
-def ray_task_runner(address: str | None = None, num_cpus: int | None = None):
+def ray_task_runner():
     """The flows' task runner (``WarmRayTaskRunner``: prefect-ray's, with tasks in a long-lived actor), built here
-    only: Ray at ``address`` (else ``$RAY_ADDRESS``) when one is given, otherwise a local Ray with ``num_cpus``
-    (else ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as slots for the worker processes.
-    ``num_cpus`` does not apply to an existing cluster (it has its own resources). Every Ray worker, on every
-    node, gets the service URLs in its environment."""
+    only. It starts Ray when the flow's ``start_run`` calls ``start_ray`` with the run's config (``ray_settings``).
+    Every Ray worker, on every node, gets the service URLs in its environment."""
     from flows.task_runner import WarmRayTaskRunner
 
+    return WarmRayTaskRunner(host_env=_service_env)
+
+
+def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:
+    """``(address, ray.init keyword arguments)`` for ``trainer.ray_address`` / ``trainer.ray_num_cpus``: Ray at
+    ``address`` (else ``$RAY_ADDRESS``) when one is given, otherwise a local Ray with ``num_cpus`` (else
+    ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as slots for the worker processes. ``num_cpus`` does
+    not apply to an existing cluster (it has its own resources)."""
     address = address or os.environ.get("RAY_ADDRESS") or None
     init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
     if address is None:
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
     else:
         init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
-    return WarmRayTaskRunner(address=address, init_kwargs=init_kwargs, host_env=_service_env)
-
-
-def default_task_runner():
-    """The task runner a deployment's flow run gets (from the environment: ``RAY_ADDRESS``, ``RLFLOW_RAY_NUM_CPUS``)."""
-    return ray_task_runner()
+    return address, init_kwargs

@@ -7,10 +7,11 @@ self-contained patch to ``prefect_ray/task_runners.py``):
 
 1. **One remote actor instead of one remote function per submit.** Stock ``submit`` wraps ``_run_prefect_task`` in a
    new ``ray.remote`` each time: Ray exports it to the GCS again, gives it a new scheduling class and leases a
-   worker for it (PrefectHQ/prefect#5653). Here the runner starts a ``TaskHost`` actor when it starts (threaded, no CPU
-   and no GPU asked: the stage tasks only call the WorkerGroups, whose placement groups hold the resources; pinned to
-   the node of the flow process's own raylet, so losing another node never takes it away) and every submit is a
-   method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh process per task.
+   worker for it (PrefectHQ/prefect#5653). Here the runner starts a ``TaskHost`` actor when it starts Ray
+   (threaded, no CPU and no GPU asked: the stage tasks only call the WorkerGroups, whose placement groups hold the
+   resources; pinned to the node of the flow process's own raylet, so losing another node never takes it away) and
+   every submit is a method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh
+   process per task.
 2. **Settings serialized once, validated once.** A stock submit dumps every Prefect setting into the task's
    context (most of its cost: ~30 ms here) and every task validates them all again. Here the flow side serializes
    them once per ``SettingsContext`` (immutable) into the object store and sends a key; the host validates them
@@ -19,8 +20,13 @@ self-contained patch to ``prefect_ray/task_runners.py``):
    task engine each call ``get_client``; each loads the CA bundle, ~24 ms here). The host opens one client per API
    URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
 
-When the flow run's task runner exits, the host sends the logs and state events it still holds, then is
-killed. The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
+Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
+settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
+``flows.runtime.start_run`` passes them. A flow that never calls it gets Ray with the runner's own ``address`` and
+``init_kwargs`` at its first submit.
+
+When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed.
+The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
 ``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
 """
 
@@ -32,6 +38,7 @@ from uuid import uuid4
 
 from prefect.client.schemas.objects import RunInput
 from prefect.futures import PrefectFuture
+from prefect.task_runners import TaskRunner
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect_ray import RayTaskRunner
@@ -39,7 +46,6 @@ from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
-_in_task_host = False  # set in a TaskHost's process: the runners that tasks enter there never start a host
 _last_settings: list = [None, None]  # [the SettingsContext serialized last, its serialized form]
 
 
@@ -71,8 +77,6 @@ class TaskHost:
     """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
 
     def __init__(self):
-        global _in_task_host
-        _in_task_host = True
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
         self._lock = threading.Lock()
@@ -141,13 +145,26 @@ class WarmRayTaskRunner(RayTaskRunner):
         return type(self), (self.address, self.init_kwargs, self.host_env)
 
     def __enter__(self):
-        super().__enter__()
-        if not _in_task_host:
-            self.host()  # its process starts while the flow builds its worker groups (nothing waits for it here)
+        TaskRunner.__enter__(self)  # not RayTaskRunner's, which would start Ray now: see start_ray
         return self
 
+    def start_ray(self, address: str | None, init_kwargs: dict[str, Any]) -> None:
+        """Connect to the Ray cluster at ``address`` (None: start a local Ray; ``init_kwargs`` go to ``ray.init``)
+        unless this process already is, then start the task host (its process starts while the flow builds its
+        worker groups: nothing waits for it here). Does nothing once the host runs."""
+        import ray
+
+        if self._host is not None:
+            return
+        if not ray.is_initialized():
+            self.logger.info("Connecting to the Ray cluster at %s" if address else "Starting a local Ray%s",
+                             address or "")
+            ray.init(address, **init_kwargs)
+            self._owns_ray = True  # RayTaskRunner.__exit__ shuts down the Ray it started
+        self.host()
+
     def host(self):
-        """The task host (started by ``__enter__`` in the flow's process)."""
+        """The task host (started by ``start_ray`` in the flow's process)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -167,6 +184,7 @@ class WarmRayTaskRunner(RayTaskRunner):
                dependencies: dict[str, set[RunInput]] | None = None) -> PrefectRayFuture:
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
+        self.start_ray(self.address, self.init_kwargs)
         task_run_id = uuid4()
         task_inputs = {k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture) for k, v in parameters.items()}
         context = serialize_context_once(asset_ctx_kwargs={"task": task, "task_run_id": task_run_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -55,3 +56,23 @@ def test_prefect_deploy_registers_schedules_and_limits(services):
     assert "rlflow" in nightly.tags  # what the crash automations match on
     assert nightly.work_pool_name == "rlflow"
     assert "config" in nightly.parameter_openapi_schema["properties"]  # the UI's parameter form
+
+
+def test_a_deployment_run_starts_ray_as_its_config_asks(services, tmp_path):
+    """The flow object a deployment runs (its entry point, no task runner given) starts Ray with the run's
+    trainer.ray_num_cpus: one logical CPU cannot place two actor workers, so the run fails naming that cluster
+    (a Ray started from the environment would have 8 and train)."""
+    from rlworkers.models.tiny import ensure_tiny_model
+
+    config = {"model": {"path": str(ensure_tiny_model(tmp_path / "tiny"))},
+              "trainer": {"runs_dir": str(tmp_path / "runs"), "run_name": "one-cpu", "total_steps": 1,
+                          "n_workers": 2, "ray_num_cpus": 1}}
+    script = ("import json, sys; from flows.sft import sft; "
+              "print(sft(config=json.loads(sys.argv[1]), return_state=True).message)")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PREFECT_API_URL=services["PREFECT_API_URL"], MLFLOW_TRACKING_URI=services["MLFLOW_TRACKING_URI"],
+               RLFLOW_RAY_NUM_CPUS="8")
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(config)], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert "PlacementError" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "the cluster has {'CPU': 1.0}" in result.stdout
