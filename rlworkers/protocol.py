@@ -460,12 +460,10 @@ class DataProto:
         if not data:
             raise ProtocolError("DataProto.concat needs at least one DataProto")
         for i, part in enumerate(data):
-            if (part.batch is None) != (data[0].batch is None) or part.non_tensor_batch.keys() != \
-                    data[0].non_tensor_batch.keys():
+            if _column_layout(part) != _column_layout(data[0]):
                 raise ProtocolError(
-                    f"cannot concat: part {i} has tensors={part.batch is not None} and non-tensor columns "
-                    f"{sorted(part.non_tensor_batch)}, part 0 has tensors={data[0].batch is not None} and "
-                    f"{sorted(data[0].non_tensor_batch)}; every part needs the same columns")
+                    f"cannot concat: part {i} has (tensors, non-tensor columns) {_column_layout(part)}, "
+                    f"part 0 has {_column_layout(data[0])}; every part needs the same columns")
         batch = None
         if data[0].batch is not None:
             batch = torch.cat([d.batch for d in data], dim=0) if len(data) > 1 else data[0].batch
@@ -609,6 +607,10 @@ def _rebuild_dataproto(cls, tensors, batch_size, non_tensor_batch, meta_info) ->
     if batch_size is not None:
         batch = TensorDict({k: deserialize_single_tensor(v) for k, v in tensors.items()}, batch_size=batch_size)
     return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
+
+
+def _column_layout(data: DataProto) -> tuple[bool, list[str]]:
+    return data.batch is not None, sorted(data.non_tensor_batch)
 
 
 def _merge_meta(metas: Sequence[dict]) -> dict:
