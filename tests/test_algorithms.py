@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from rlworkers.algorithms import core_algos as ca
+from rlworkers.algorithms.utils import add_to_registry
 
 
 def close(actual, expected, tol=1e-5):
@@ -200,6 +202,20 @@ def test_adv_estimator_registry():
         ca.get_adv_estimator_fn("nope")
     for name in ("gae", "grpo", "rloo", "reinforce_plus_plus"):
         assert name in str(err.value)
+
+
+def test_registries_refuse_a_second_function_under_a_taken_name():
+    def other(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None):
+        raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match=r"'vanilla' is already registered \(compute_policy_loss_vanilla\)"):
+        ca.register_policy_loss("vanilla")(other)
+    assert ca.get_policy_loss_fn("vanilla") is ca.compute_policy_loss_vanilla
+    # A module reload re-creates the function object of the same definition: that one is accepted.
+    reloaded = types.FunctionType(other.__code__, other.__globals__, other.__name__)
+    reloaded.__qualname__ = other.__qualname__
+    registry = {"mine": other}
+    assert add_to_registry(registry, "mine", reloaded, "Policy loss") is reloaded and registry["mine"] is reloaded
 
 
 def test_config_offers_exactly_the_built_in_estimators():

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlworkers.algorithms.utils import config_get, masked_whiten, same_definition
+from rlworkers.algorithms.utils import add_to_registry, config_get, masked_whiten
 
 __all__ = [
     "AdvantageEstimator",
@@ -71,12 +71,7 @@ def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable:
     """
 
     def decorator(fn: Callable) -> Callable:
-        name = _name(name_or_enum)
-        existing = ADV_ESTIMATOR_REGISTRY.get(name)
-        if existing is not None and existing is not fn and not same_definition(existing, fn):
-            raise ValueError(f"Advantage estimator {name!r} is already registered ({existing.__qualname__}).")
-        ADV_ESTIMATOR_REGISTRY[name] = fn
-        return fn
+        return add_to_registry(ADV_ESTIMATOR_REGISTRY, _name(name_or_enum), fn, "Advantage estimator")
 
     return decorator
 

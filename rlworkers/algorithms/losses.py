@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from rlworkers.algorithms.utils import config_get, entropy_from_logits, masked_mean, masked_sum, same_definition
+from rlworkers.algorithms.utils import add_to_registry, config_get, entropy_from_logits, masked_mean, masked_sum
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -204,11 +204,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        existing = POLICY_LOSS_REGISTRY.get(name)
-        if existing is not None and existing is not fn and not same_definition(existing, fn):
-            raise ValueError(f"Policy loss {name!r} is already registered ({existing.__qualname__}).")
-        POLICY_LOSS_REGISTRY[name] = fn
-        return fn
+        return add_to_registry(POLICY_LOSS_REGISTRY, name, fn, "Policy loss")
 
     return decorator
 

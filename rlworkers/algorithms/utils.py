@@ -9,7 +9,7 @@ Shapes: ``B`` = batch (sequences), ``T`` = response length, ``V`` = vocabulary s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -113,10 +113,20 @@ def config_get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def same_definition(a: Any, b: Any) -> bool:
-    """True when two callables are the same definition (a module reload re-creates function objects,
-    which must not count as a registry name clash)."""
-    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
-        getattr(b, "__module__", None),
-        getattr(b, "__qualname__", None),
-    )
+def add_to_registry(registry: dict[str, Any], name: str, fn: Callable, what: str) -> Callable:
+    """Put ``fn`` in ``registry`` under ``name`` and return it (the body of the ``register_*`` decorators).
+
+    Registering the same definition again is allowed: a module reload re-creates its function objects.
+
+    Raises:
+        ValueError: a different function is already registered under ``name`` (``what`` names the kind).
+    """
+    existing = registry.get(name)
+    if existing is not None and _definition(existing) != _definition(fn):
+        raise ValueError(f"{what} {name!r} is already registered ({existing.__qualname__}).")
+    registry[name] = fn
+    return fn
+
+
+def _definition(fn: Callable) -> tuple[str | None, str | None]:
+    return getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)

@@ -85,11 +85,10 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs [B, R]`` and ``entropys [B, R]`` of ``responses`` under the current actor."""
         self._require(self._is_actor, "compute_log_prob", "actor")
-        data = common.to_device(data, self.device)
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        with torch.no_grad():
-            log_probs, entropy = common.response_log_probs(
-                self.model, data, temperature, self.config.rollout.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        log_probs, entropy = common.response_log_probs(self.model, common.to_device(data, self.device), temperature,
+                                                       self.config.rollout.log_prob_micro_batch_size_per_gpu,
+                                                       with_entropy=True)
         return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy},
                                    meta_info={"temperature": temperature}).to("cpu")
 
@@ -97,11 +96,9 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob [B, R]`` under the frozen reference policy."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
-        data = common.to_device(data, self.device)
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        with torch.no_grad():
-            log_probs, _ = common.response_log_probs(self.ref_model, data, temperature,
-                                                     self.config.ref_micro_batch_size_per_gpu)
+        log_probs, _ = common.response_log_probs(self.ref_model, common.to_device(data, self.device), temperature,
+                                                 self.config.ref_micro_batch_size_per_gpu)
         return DataProto.from_dict({"ref_log_prob": log_probs}).to("cpu")
 
     # ------------------------------------------------------------------------------------------------ training

@@ -29,9 +29,11 @@ def response_logits(model, input_ids, attention_mask, position_ids, response_len
     return logits[:, -response_length - 1 : -1, :] / temperature
 
 
+@torch.no_grad()
 def response_log_probs(model, data: DataProto, temperature: float, micro_batch_size: int,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of ``data.batch["responses"]`` under ``model``, in micro-batches. ``[B, R]``."""
+    """Log-probs (and entropy) of ``data.batch["responses"]`` under ``model``, in micro-batches, without grad.
+    ``[B, R]``."""
     response_length = data.batch["responses"].shape[-1]
     log_probs, entropies = [], []
     for micro in data.split(micro_batch_size):
