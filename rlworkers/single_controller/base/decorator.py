@@ -7,7 +7,13 @@
    every returned argument is a list with one value per rank (so a list is never scattered by accident:
    only a dispatch function decides what each rank gets);
 2. runs the method on every rank (``Execute.ALL``) or on rank 0 (``Execute.RANK_ZERO``);
-3. merges the per-rank outputs with ``collect_fn(worker_group, outputs)``.
+3. merges the per-rank outputs with ``collect_fn(worker_group, outputs)``. A collect function with a
+   ``collect_ranks(worker_group)`` method merges only those ranks' outputs, in that order; the other ranks
+   return None instead of their output (nd dispatch: one collector per dp group).
+
+nd dispatch (``make_nd_compute_dataproto_dispatch_fn(mesh_name)``) splits each DataProto into one chunk per dp
+rank of a device mesh the workers registered with ``Worker._register_dispatch_collect_info``; every rank of a
+dp group (its tp/sp/pp replicas) receives the same chunk, stored once.
 
 Auto-padding (DP_COMPUTE_PROTO, DP_COMPUTE_METRIC) is undone inside the worker that holds the padded rows, so
 blocking calls, non-blocking calls and futures chained into other groups all return exactly the input rows.
@@ -24,6 +30,7 @@ from rlworkers.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divi
 MAGIC_ATTR = "attrs_3141562937"  # verl's attribute name, kept so tools that look for it keep working
 PAD_KEY = "_rlflow_pad_rows"  # rows of padding at the end of this rank's chunk (driver -> worker)
 WITH_LEN_KEY = "_rlflow_return_len"  # ask the worker to also return len(output) (for chained futures)
+DROP_OUTPUT_KEY = "_rlflow_drop_output"  # the controller discards this rank's output: return None instead
 
 
 class DynamicEnum:
@@ -65,7 +72,8 @@ class Execute(DynamicEnum):
     pass
 
 
-for _name in ("ONE_TO_ALL", "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_PROTO", "DP_COMPUTE_PROTO_WITH_FUNC",
+# RANK_ZERO is a name only (as in verl): it has no dispatch functions; use execute_mode=Execute.RANK_ZERO.
+for _name in ("RANK_ZERO", "ONE_TO_ALL", "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_PROTO", "DP_COMPUTE_PROTO_WITH_FUNC",
               "DP_COMPUTE_METRIC"):
     Dispatch.register(_name)
 for _name in ("ALL", "RANK_ZERO"):
@@ -130,18 +138,18 @@ def _split_proto(value: Any, name: Any, n: int, auto_padding: bool):
     return chunks, pads
 
 
-def _dispatch_proto(worker_group, args, kwargs, auto_padding: bool):
-    n = worker_group.world_size
+def _split_protos(args: tuple, kwargs: dict, parts: int, auto_padding: bool) -> tuple[tuple, dict]:
+    """Every argument as a list of ``parts`` chunks; ``kwargs[PAD_KEY]`` lists each chunk's padding rows."""
     pads_seen = []
     split_args = []
     for i, arg in enumerate(args):
-        chunks, pads = _split_proto(arg, i, n, auto_padding)
+        chunks, pads = _split_proto(arg, i, parts, auto_padding)
         split_args.append(chunks)
         if pads is not None:
             pads_seen.append((len(arg), pads))
     split_kwargs = {}
     for key, value in kwargs.items():
-        chunks, pads = _split_proto(value, key, n, auto_padding)
+        chunks, pads = _split_proto(value, key, parts, auto_padding)
         split_kwargs[key] = chunks
         if pads is not None:
             pads_seen.append((len(value), pads))
@@ -153,13 +161,13 @@ def _dispatch_proto(worker_group, args, kwargs, auto_padding: bool):
 
 
 def dispatch_dp_compute_data_proto(worker_group, *args, **kwargs):
-    return _dispatch_proto(worker_group, args, kwargs, auto_padding=True)
+    return _split_protos(args, kwargs, worker_group.world_size, auto_padding=True)
 
 
 def dispatch_dp_compute_data_proto_with_func(worker_group, func, *args, **kwargs):
     if not callable(func):
         raise TypeError("Dispatch.DP_COMPUTE_PROTO_WITH_FUNC needs a function as the first argument")
-    split_args, split_kwargs = _dispatch_proto(worker_group, args, kwargs, auto_padding=False)
+    split_args, split_kwargs = _split_protos(args, kwargs, worker_group.world_size, auto_padding=False)
     return (_broadcast(func, worker_group.world_size), *split_args), split_kwargs
 
 
@@ -168,6 +176,65 @@ def collect_dp_compute_data_proto(worker_group, output):
         if not isinstance(item, DataProto):
             raise TypeError(f"rank {rank} returned {type(item).__name__}; this dispatch mode expects a DataProto")
     return DataProto.concat(output)
+
+
+# ------------------------------------------------------------------------------------------- nd dispatch
+def _dp_rank_of_each_rank(worker_group, mesh_name: str) -> list[int]:
+    """``[dp rank of global rank r]`` for ``mesh_name``, asked of the workers once per group."""
+    if mesh_name not in worker_group._dispatch_info:
+        dp_rank_of = list(worker_group._query_dispatch_info(mesh_name))
+        if sorted(set(dp_rank_of)) != list(range(max(dp_rank_of) + 1)):
+            raise ValueError(
+                f"the ranks registered dp ranks {dp_rank_of} for mesh {mesh_name!r}; every dp rank from 0 to the "
+                "largest needs at least one rank: check the dp_rank passed to _register_dispatch_collect_info"
+            )
+        worker_group._dispatch_info[mesh_name] = dp_rank_of
+    return worker_group._dispatch_info[mesh_name]
+
+
+def dispatch_nd_compute_data_proto(mesh_name: str, worker_group, *args, **kwargs):
+    """One chunk of every DataProto (or future) per dp rank of ``mesh_name``, padded like DP_COMPUTE_PROTO; each
+    chunk is stored once and every rank of its dp group receives it."""
+    dp_rank_of = _dp_rank_of_each_rank(worker_group, mesh_name)
+    split_args, split_kwargs = _split_protos(args, kwargs, max(dp_rank_of) + 1, auto_padding=True)
+
+    def per_rank(chunks: list) -> list:
+        shared = [worker_group.share(chunk) for chunk in chunks]
+        return [shared[dp_rank] for dp_rank in dp_rank_of]
+
+    return tuple(per_rank(chunks) for chunks in split_args), {k: per_rank(v) for k, v in split_kwargs.items()}
+
+
+class NdCollect:
+    """The collect function of an nd mode: the concatenated outputs of one collector rank per dp group of
+    ``mesh_name``, in dp order (``collect_ranks``); the other ranks' outputs are never sent back."""
+
+    def __init__(self, mesh_name: str):
+        self.mesh_name = mesh_name
+
+    def collect_ranks(self, worker_group) -> list[int]:
+        if self.mesh_name not in worker_group._collect_info:
+            worker_group._collect_info[self.mesh_name] = list(worker_group._query_collect_info(self.mesh_name))
+        is_collector = worker_group._collect_info[self.mesh_name]
+        dp_rank_of = _dp_rank_of_each_rank(worker_group, self.mesh_name)
+        collectors = sorted((dp_rank_of[rank], rank) for rank, collect in enumerate(is_collector) if collect)
+        if [dp_rank for dp_rank, _ in collectors] != list(range(max(dp_rank_of) + 1)):
+            raise ValueError(
+                f"mesh {self.mesh_name!r} needs exactly one collector (is_collect=True) per dp rank; the collectors "
+                f"are ranks {[rank for _, rank in collectors]} with dp ranks {[dp for dp, _ in collectors]}. "
+                "Usually is_collect is 'local rank 0 on every non-dp mesh dimension'"
+            )
+        return [rank for _, rank in collectors]
+
+    def __call__(self, worker_group, output: list) -> DataProto:
+        return collect_dp_compute_data_proto(worker_group, output)
+
+
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Callable]:
+    """The dispatch mode of a method that runs on the dp groups of the device mesh ``mesh_name`` (the workers
+    register it with ``_register_dispatch_collect_info``): ``@register(dispatch_mode=make_nd_...("actor"))``."""
+    return {"dispatch_fn": functools.partial(dispatch_nd_compute_data_proto, mesh_name),
+            "collect_fn": NdCollect(mesh_name)}
 
 
 DISPATCH_MODE_FN_REGISTRY: dict[Dispatch, dict[str, Callable]] = {
@@ -262,13 +329,14 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocki
         def prepare(args, kwargs):
             pad = kwargs.pop(PAD_KEY, 0)
             with_len = kwargs.pop(WITH_LEN_KEY, False)
+            drop_output = kwargs.pop(DROP_OUTPUT_KEY, False)
             if materialize_futures:
                 args, kwargs, future_pad = _materialize(args, kwargs)
                 pad = future_pad if future_pad is not None else pad
-            return args, kwargs, pad, with_len
+            return args, kwargs, pad, with_len, drop_output
 
-        def finish(output, pad, rows, with_len):
-            output = _unpad_output(output, pad, rows, func.__qualname__)
+        def finish(output, pad, rows, with_len, drop_output):
+            output = None if drop_output else _unpad_output(output, pad, rows, func.__qualname__)
             if with_len:
                 return output, (len(output) if isinstance(output, DataProto) else None)
             return output
@@ -276,13 +344,13 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocki
         if inspect.iscoroutinefunction(func):
             @functools.wraps(func)
             async def inner(self, *args, **kwargs):
-                args, kwargs, pad, with_len = prepare(args, kwargs)
-                return finish(await func(self, *args, **kwargs), pad, _input_rows(args, kwargs), with_len)
+                args, kwargs, pad, *flags = prepare(args, kwargs)
+                return finish(await func(self, *args, **kwargs), pad, _input_rows(args, kwargs), *flags)
         else:
             @functools.wraps(func)
             def inner(self, *args, **kwargs):
-                args, kwargs, pad, with_len = prepare(args, kwargs)
-                return finish(func(self, *args, **kwargs), pad, _input_rows(args, kwargs), with_len)
+                args, kwargs, pad, *flags = prepare(args, kwargs)
+                return finish(func(self, *args, **kwargs), pad, _input_rows(args, kwargs), *flags)
 
         del inner.__wrapped__  # Ray checks calls against the signature; the hidden keywords must pass
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,

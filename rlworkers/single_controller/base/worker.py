@@ -1,10 +1,14 @@
 """Worker: the base class of every role (actor, rollout, critic, reward, ...) run by a WorkerGroup.
 
-A WorkerGroup starts each worker with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT`` in its environment; ``Worker.__init__`` reads them.
+A WorkerGroup starts each worker with verl's environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``WG_PREFIX``, ``WG_BACKEND=ray``, ``RAY_LOCAL_WORLD_SIZE`` (workers on this node), and
+``LOCAL_RANK=0``, ``LOCAL_WORLD_SIZE=1``: Ray shows each GPU actor only its own GPU, so its device is ``cuda:0``
+(unless ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is set: then ``LOCAL_RANK`` is the GPU Ray assigned).
+``Worker.__init__`` reads them.
 
 Rendezvous without a port race: rank 0 starts torch's TCPStore on port 0 (the kernel picks a free port and the
-socket stays bound), and the group hands that port to the other ranks when it creates them. With
+socket stays bound) at the start of its ``__init__`` and publishes it; the group hands that port to the other
+ranks when it creates them, so a subclass may join the process group (or build a device mesh) in ``__init__``. With
 ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank's ``init_process_group(init_method="env://")`` connects to that
 store as a client, exactly as under torchrun's agent, so user code that calls
 ``torch.distributed.init_process_group()`` itself keeps working.
@@ -16,8 +20,13 @@ import os
 
 import torch
 
+from rlworkers.single_controller.base.decorator import Dispatch, Execute, register
+
 _ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _RENDEZVOUS_STORE = None  # one per process: colocated roles share it
+# Rank 0 publishes its store's "host:port" under this key in Ray's KV store as soon as Worker.__init__ binds it:
+# the rest of a subclass's __init__ may call init_process_group, which waits for ranks not yet started.
+RENDEZVOUS_KEY_ENV = "RLFLOW_RENDEZVOUS_KEY"
 
 
 def _node_ip() -> str:
@@ -31,6 +40,16 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
+def _assigned_gpu() -> int:
+    import ray
+
+    gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    if not gpu_ids:
+        raise RuntimeError("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES is set but Ray assigned this worker no GPU; "
+                           "unset it, or give the worker a GPU (RayResourcePool(..., use_gpu=True))")
+    return int(gpu_ids[0])
+
+
 def _start_rendezvous_store(world_size: int) -> tuple[str, int]:
     global _RENDEZVOUS_STORE
     if _RENDEZVOUS_STORE is None:
@@ -40,6 +59,10 @@ def _start_rendezvous_store(world_size: int) -> tuple[str, int]:
         os.environ["MASTER_PORT"] = str(_RENDEZVOUS_STORE.port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get(RENDEZVOUS_KEY_ENV):  # the group waits for this before it starts the other ranks
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(os.environ[RENDEZVOUS_KEY_ENV], f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
@@ -49,6 +72,8 @@ class Worker:
     def __init__(self, cuda_visible_devices: str | None = None):
         self._rank = int(os.environ.get("RANK", 0))
         self._world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):  # every GPU is visible: pick Ray's
+            os.environ["LOCAL_RANK"] = str(_assigned_gpu())
         self._local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if cuda_visible_devices is not None:
@@ -60,6 +85,8 @@ class Worker:
             os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
         self._master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self._master_port = os.environ.get("MASTER_PORT")
+        self.__dispatch_dp_rank: dict[str, int] = {}
+        self.__collect_dp_rank: dict[str, bool] = {}
 
     @classmethod
     def env_keys(cls) -> list[str]:
@@ -98,9 +125,61 @@ class Worker:
     def getenv(self, key: str) -> str | None:
         return os.environ.get(key)
 
+    # --------------------------------------------------------------------------------- nd dispatch (verl's API)
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Declare this rank's dp rank in the device mesh ``mesh_name`` and whether it is its dp group's collector
+        (the one rank whose output the controller keeps), for ``make_nd_compute_dataproto_dispatch_fn``."""
+        if mesh_name in self.__dispatch_dp_rank:
+            raise ValueError(f"mesh {mesh_name!r} is already registered on this worker; register each mesh once")
+        self.__dispatch_dp_rank[mesh_name] = dp_rank
+        self.__collect_dp_rank[mesh_name] = is_collect
+
+    def _require_mesh(self, mesh_name: str) -> None:
+        if mesh_name not in self.__dispatch_dp_rank:
+            raise ValueError(
+                f"mesh {mesh_name!r} is not registered on {type(self).__name__} rank {self.rank} (registered: "
+                f"{sorted(self.__dispatch_dp_rank)}); call self._register_dispatch_collect_info({mesh_name!r}, "
+                "dp_rank=..., is_collect=...) where the device mesh is built"
+            )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_dispatch_info(self, mesh_name: str) -> int:
+        self._require_mesh(mesh_name)
+        return self.__dispatch_dp_rank[mesh_name]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_collect_info(self, mesh_name: str) -> bool:
+        return self.query_collect_info(mesh_name)
+
+    def query_collect_info(self, mesh_name: str) -> bool:
+        self._require_mesh(mesh_name)
+        return self.__collect_dp_rank[mesh_name]
+
+    def get_dispatch_collect(self) -> dict[str, dict]:
+        return {"dispatch_dp_rank": dict(self.__dispatch_dp_rank), "collect_dp_rank": dict(self.__collect_dp_rank)}
+
+    def set_dispatch_collect(self, mesh_name: str, dispatch_dp_rank: dict[str, int],
+                             collect_dp_rank: dict[str, bool]) -> None:
+        """Register, under ``mesh_name``, the one mesh of another worker's ``get_dispatch_collect()`` (an outer
+        worker exposing an inner one: ``self.set_dispatch_collect("ref", **self.ref.get_dispatch_collect())``)."""
+        if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
+            raise ValueError(
+                f"set_dispatch_collect({mesh_name!r}) copies exactly one mesh; got dispatch meshes "
+                f"{sorted(dispatch_dp_rank)} and collect meshes {sorted(collect_dp_rank)}"
+            )
+        (dp_rank,), (is_collect,) = dispatch_dp_rank.values(), collect_dp_rank.values()
+        self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect)
+
+    # --------------------------------------------------------------------------------- driver functions
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
     def execute_with_func_generator(self, func, *args, **kwargs):
-        """Run ``func(self, *args, **kwargs)`` (the worker side of DP_COMPUTE_PROTO_WITH_FUNC)."""
+        """Run ``func(self, *args, **kwargs)`` on every rank's chunk: ``group.execute_with_func_generator(f, data)``."""
         return func(self, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def execute_func_rank_zero(self, func, *args, **kwargs):
+        """Run ``func(*args, **kwargs)`` on rank 0: ``group.execute_func_rank_zero(f, ...)`` returns its result."""
+        return func(*args, **kwargs)
 
     def init_process_group(self, backend: str | None = None, timeout_s: float = 300.0) -> str:
         """Join this group's torch.distributed world (gloo on CPU, nccl when CUDA is used). Returns the backend."""

@@ -78,6 +78,8 @@ class WorkerGroup:
         self._master_addr: str | None = None
         self._master_port: str | None = None
         self._bindings: list[tuple[type, str]] = []  # (worker class, remote prefix) bound on this group
+        self._dispatch_info: dict[str, list[int]] = {}  # nd dispatch: mesh name -> dp rank of each rank
+        self._collect_info: dict[str, list[bool]] = {}  # nd dispatch: mesh name -> is each rank a collector
 
     @property
     def world_size(self) -> int:

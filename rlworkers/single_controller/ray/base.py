@@ -19,7 +19,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlworkers.protocol import DataProto, DataProtoFuture
-from rlworkers.single_controller.base.decorator import WITH_LEN_KEY, Execute, collect_dp_compute_data_proto
+from rlworkers.single_controller.base.decorator import (
+    DROP_OUTPUT_KEY,
+    WITH_LEN_KEY,
+    Execute,
+    collect_dp_compute_data_proto,
+)
+from rlworkers.single_controller.base.worker import RENDEZVOUS_KEY_ENV
 from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
 from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, get_with_rank
 
@@ -114,6 +120,29 @@ def _placed(pg: PlacementGroup) -> bool:
     return table.get("state") == "CREATED" and set(table.get("bundles_to_node_id", {}).values()) <= alive
 
 
+def _published_rendezvous(rank_zero, key: str, cls_name: str, poll_s: float = 0.05) -> tuple[str, str]:
+    """The "host:port" rank 0 publishes when its Worker.__init__ binds the store (see base/worker.py), read
+    while the rest of its __init__ may still run; a failed constructor raises WorkerError for rank 0."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+
+    constructed = rank_zero.__ray_ready__.remote()
+    while True:
+        published = _internal_kv_get(key)
+        if published is not None:
+            _internal_kv_del(key)
+            host, port = published.decode().rsplit(":", 1)
+            return host, port
+        done, _ = ray.wait([constructed], timeout=poll_s)
+        if done:
+            try:
+                ray.get(constructed)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+                raise WorkerError(0, f"{cls_name}.__init__", error) from error
+            if _internal_kv_get(key) is None:
+                raise RuntimeError(f"{cls_name}.__init__ finished without calling Worker.__init__, so rank 0 bound "
+                                   "no rendezvous store: call super().__init__() first in __init__")
+
+
 def _resources(available: dict, keys: dict) -> dict:
     return {k: round(available.get(k, 0), 3) for k in keys}
 
@@ -164,19 +193,28 @@ class RayClassWithInitArgs(ClassWithInitArgs):
 def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn: Callable, collect_fn: Callable,
                    execute_mode, blocking: bool) -> Callable:
     """The controller-side method: dispatch -> run on the ranks -> (wait) -> collect."""
-    chain_as_future = not blocking and collect_fn is collect_dp_compute_data_proto
+    returns_data_proto = collect_fn is collect_dp_compute_data_proto or hasattr(collect_fn, "collect_ranks")
+    chain_as_future = not blocking and returns_data_proto
 
     def call(*args, **kwargs):
         rows = _rows(args, kwargs)
         args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
         ranks = list(range(worker_group.world_size)) if execute_mode is Execute.ALL else [0]
-        refs = worker_group._execute_per_rank(method_name, args, kwargs, ranks, return_len=chain_as_future)
+        kept = ranks  # the ranks whose outputs collect_fn merges, in its order
+        if execute_mode is Execute.ALL and hasattr(collect_fn, "collect_ranks"):
+            kept = collect_fn.collect_ranks(worker_group)
+        refs = worker_group._execute_per_rank(method_name, args, kwargs, ranks, return_len=chain_as_future,
+                                              drop_output=set(ranks) - set(kept))
         if chain_as_future:
-            return DataProtoFuture([r[0] for r in refs], [r[1] for r in refs], method=method_name, ranks=ranks)
+            kept_refs = [refs[ranks.index(rank)] for rank in kept]
+            return DataProtoFuture([r[0] for r in kept_refs], [r[1] for r in kept_refs], method=method_name,
+                                   ranks=kept)
         if not blocking:
             return refs if execute_mode is Execute.ALL else refs[0]
-        outputs = worker_group._collect(refs, ranks, method_name, rows)
-        return collect_fn(worker_group, outputs if execute_mode is Execute.ALL else outputs[0])
+        outputs = worker_group._collect(refs, ranks, method_name, rows)  # every rank: its errors surface
+        if execute_mode is Execute.RANK_ZERO:
+            return collect_fn(worker_group, outputs[0])
+        return collect_fn(worker_group, [outputs[rank] for rank in kept])
 
     call.__name__ = call.__qualname__ = method_name
     return call
@@ -191,6 +229,23 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 0
 
 
+PROTECTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WG_PREFIX", "WG_BACKEND",
+                 "RAY_LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # set per worker by the group
+
+
+def _check_verl_options(pool, use_gpu, device_name, master_addr, master_port, profile_steps, worker_nsight_options):
+    if use_gpu and pool is not None and not pool.use_gpu:
+        raise ValueError("use_gpu=True needs a resource pool with GPUs: RayResourcePool(..., use_gpu=True)")
+    if device_name not in ("cuda", "cpu"):
+        raise ValueError(f"device_name={device_name!r} is not supported; use 'cuda' or 'cpu'")
+    if master_addr is not None or master_port is not None:
+        raise ValueError("master_addr/master_port cannot be pinned: rank 0 binds a free port itself and the group "
+                         "hands it to the other ranks (no port race); drop both arguments")
+    if profile_steps or worker_nsight_options:
+        raise ValueError("nsight profiling (profile_steps, worker_nsight_options) is not supported; drop both "
+                         "arguments, or profile a worker with nsys through ray_cls_with_init.update_options")
+
+
 class RayWorkerGroup(WorkerGroup):
     """Ray actors of one worker class placed on a RayResourcePool, with the class's registered methods bound.
 
@@ -202,21 +257,33 @@ class RayWorkerGroup(WorkerGroup):
     def __init__(self, resource_pool: RayResourcePool | None = None, ray_cls_with_init: RayClassWithInitArgs = None,
                  bin_pack: bool = True, name_prefix: str | None = None, detached: bool = False,
                  worker_names: list[str] | None = None, worker_handles: list | None = None,
-                 worker_env: dict[str, str] | None = None):
+                 ray_wait_register_center_timeout: int = 300, *, worker_env: dict[str, str] | None = None,
+                 use_gpu: bool | None = None, device_name: str = "cuda", master_addr: str | None = None,
+                 master_port: str | None = None, profile_steps: list | None = None,
+                 worker_nsight_options: dict | None = None):
+        """verl's signature. ``worker_env`` adds environment variables to every worker (not the ones the group
+        sets: ``PROTECTED_ENV``); ``use_gpu`` (default: the pool's) and ``device_name`` ("cuda" or "cpu") decide
+        whether each actor takes its share of a GPU. ``ray_wait_register_center_timeout`` is accepted and unused
+        (rlflow has no register center). ``master_addr``/``master_port`` and nsight profiling are not supported."""
         super().__init__(resource_pool)
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
+        _check_verl_options(resource_pool, use_gpu, device_name, master_addr, master_port, profile_steps,
+                            worker_nsight_options)
+        clash = set(PROTECTED_ENV) & set(worker_env or {})
+        if clash:
+            raise ValueError(f"worker_env may not set {sorted(clash)}: the worker group sets them")
         self.ray_cls_with_init = ray_cls_with_init
         self.call_timeout_s: float | None = None
         self.call_timeout_s_per_row = 0.0
         self._worker_processes: list[WorkerProcess | None] = []
         self._bin_pack, self._detached, self._worker_env = bin_pack, detached, dict(worker_env or {})
+        if use_gpu is None:
+            use_gpu = resource_pool is not None and resource_pool.use_gpu
+        self.use_gpu = use_gpu
+        self.device_name = device_name
         self.name_prefix = name_prefix if name_prefix is not None else f"{uuid.uuid4().hex[:6]}_"
         self.resource_pool = resource_pool
-        protected = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-        clash = protected & set(worker_env or {})
-        if clash:
-            raise ValueError(f"worker_env may not set {sorted(clash)}: the worker group sets them")
         if worker_handles is not None:
             self._workers = list(worker_handles)
             self._worker_names = list(worker_names or [])
@@ -226,43 +293,45 @@ class RayWorkerGroup(WorkerGroup):
             self._worker_names = list(worker_names)
             self._worker_processes = [None] * len(self._workers)
         elif resource_pool is not None:
-            self._init_with_resource_pool(resource_pool, bin_pack, detached, dict(worker_env or {}))
+            self._init_with_resource_pool(resource_pool, bin_pack, detached, self._worker_env)
         else:
             raise ValueError("RayWorkerGroup needs a resource_pool, worker_names or worker_handles")
         self._bind_worker_method(ray_cls_with_init.user_cls, func_generator)
 
     @classmethod
     def from_detached(cls, name_prefix: str | None = None, worker_names: list[str] | None = None,
-                      worker_handles: list | None = None, ray_cls_with_init: RayClassWithInitArgs = None):
+                      worker_handles: list | None = None, ray_cls_with_init: RayClassWithInitArgs = None, **kwargs):
+        """A group over actors that exist (by name or handle); ``kwargs`` as the constructor's."""
         return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
-                   worker_names=worker_names, worker_handles=worker_handles)
+                   worker_names=worker_names, worker_handles=worker_handles, **kwargs)
 
     def _init_with_resource_pool(self, pool: RayResourcePool, bin_pack: bool, detached: bool, worker_env: dict):
         pgs = pool.get_placement_groups(strategy="STRICT_PACK" if bin_pack else "PACK")
         world_size = pool.world_size
         cls_name = self.ray_cls_with_init.user_cls.__name__
-        num_gpus = 1 / pool.max_colocate_count if pool.use_gpu else 0
+        takes_gpu = self.use_gpu and self.device_name == "cuda"
+        rendezvous_key = f"rlflow_rendezvous_{uuid.uuid4().hex}"
+        num_gpus = 1 / pool.max_colocate_count if takes_gpu else 0
         rank = 0
         for pg_idx, (pg, local_world_size) in enumerate(zip(pgs, pool.store)):
             for local_rank in range(local_world_size):
-                env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(local_rank),
-                       "LOCAL_WORLD_SIZE": str(local_world_size), "WG_PREFIX": self.name_prefix, "WG_BACKEND": "ray",
-                       **worker_env}
+                # verl's environment. LOCAL_RANK is 0: Ray shows each GPU actor only its own GPU (see Worker).
+                env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "WG_PREFIX": self.name_prefix, "WG_BACKEND": "ray",
+                       "RAY_LOCAL_WORLD_SIZE": str(local_world_size), **worker_env}
                 if rank > 0:
                     env.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port))
                 else:  # rank 0 binds a new store: never one named by what Ray's processes inherited (a driver
                     env.update(MASTER_ADDR="", MASTER_PORT="")  # under torchrun, or one that ran a Worker itself)
+                    env[RENDEZVOUS_KEY_ENV] = rendezvous_key
                 name = f"{self.name_prefix}{cls_name}_{pg_idx}:{local_rank}"
-                worker = self.ray_cls_with_init(pg, local_rank, use_gpu=pool.use_gpu, num_gpus=num_gpus,
+                worker = self.ray_cls_with_init(pg, local_rank, use_gpu=takes_gpu, num_gpus=num_gpus,
                                                 num_cpus=pool.cpus_per_worker, env_vars=env, name=name,
                                                 detached=detached)
                 self._workers.append(worker)
                 self._worker_names.append(name)
                 if rank == 0:  # rank 0 binds the rendezvous port; the others are created knowing it
-                    try:
-                        self._master_addr, self._master_port = ray.get(worker.get_master_addr_port.remote())
-                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
-                        raise WorkerError(0, f"{cls_name}.__init__", error) from error
+                    self._master_addr, self._master_port = _published_rendezvous(worker, rendezvous_key, cls_name)
                 rank += 1
         # Surface constructor errors now, with the rank, rather than at the first call; learn where each rank runs.
         described = get_with_rank([w.describe_process.remote() for w in self._workers], list(range(world_size)),
@@ -314,7 +383,9 @@ class RayWorkerGroup(WorkerGroup):
             raise
 
     def _execute_per_rank(self, method_name: str, args: tuple, kwargs: dict, ranks: list[int],
-                          return_len: bool = False) -> list:
+                          return_len: bool = False, drop_output: set[int] = frozenset()) -> list:
+        """Start ``method_name`` on ``ranks``, rank r with element r of every argument. Ranks in ``drop_output``
+        return None instead of their output (the caller keeps only the other ranks')."""
         for name, value in [*enumerate(args), *kwargs.items()]:
             if not isinstance(value, (list, tuple)) or len(value) != self.world_size:
                 raise TypeError(
@@ -328,6 +399,8 @@ class RayWorkerGroup(WorkerGroup):
             if return_len:
                 rank_kwargs[WITH_LEN_KEY] = True
                 method = method.options(num_returns=2)
+            if rank in drop_output:
+                rank_kwargs[DROP_OUTPUT_KEY] = True
             refs.append(method.remote(*(a[rank] for a in args), **rank_kwargs))
         return refs
 
@@ -373,6 +446,7 @@ class RayWorkerGroup(WorkerGroup):
             group = copy.copy(self)
             group.__dict__ = {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
             group._bindings = []
+            group._dispatch_info, group._collect_info = {}, {}  # each role registers its own meshes
             group._bind_worker_method(role_classes[prefix], func_generator, remote_prefix=f"{prefix}_")
             groups[prefix] = group
         return groups

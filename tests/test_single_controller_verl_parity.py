@@ -1,0 +1,262 @@
+"""verl parity of the single controller: nd (device-mesh) dispatch, the Worker's dispatch/collect registry, the
+per-worker environment and RayWorkerGroup's verl keywords. Ported from verl's tests/single_controller/
+test_get_set_dispatch_collect_cpu.py, test_device_mesh_register.py (4 CPU ranks on gloo instead of 8 GPUs) and
+test_ray_local_envs_on_cpu.py; values are computed by hand in the comments."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rlworkers.protocol import DataProto, DataProtoFuture
+from rlworkers.single_controller import Worker, WorkerError, register
+from rlworkers.single_controller.base.decorator import (
+    dispatch_nd_compute_data_proto,
+    make_nd_compute_dataproto_dispatch_fn,
+)
+from rlworkers.single_controller.ray import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    create_colocated_worker_cls,
+)
+
+
+# ----------------------------------------------------------------------------- the registry, no Ray
+@pytest.fixture
+def worker_env(monkeypatch):
+    """Worker() in this process: a rank of a world of 2 whose rendezvous is elsewhere (nothing is bound)."""
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "12345",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_get_set_dispatch_collect(worker_env):
+    ref = Worker()
+    ref._register_dispatch_collect_info(mesh_name="actor", dp_rank=0, is_collect=True)
+    actor = Worker()
+    actor._register_dispatch_collect_info(mesh_name="actor", dp_rank=1, is_collect=False)
+
+    outer = Worker()
+    outer.set_dispatch_collect(mesh_name="ref", **ref.get_dispatch_collect())
+    outer.set_dispatch_collect(mesh_name="actor", **actor.get_dispatch_collect())
+    assert outer._query_dispatch_info("ref") == 0 and outer._query_collect_info("ref") is True
+    assert outer._query_dispatch_info("actor") == 1 and outer.query_collect_info("actor") is False
+    assert outer.get_dispatch_collect() == {"dispatch_dp_rank": {"ref": 0, "actor": 1},
+                                            "collect_dp_rank": {"ref": True, "actor": False}}
+
+    with pytest.raises(ValueError, match="'actor' is already registered"):  # verl: AssertionError
+        outer.set_dispatch_collect(mesh_name="actor", **actor.get_dispatch_collect())
+    with pytest.raises(ValueError, match="'actor' is already registered"):
+        actor._register_dispatch_collect_info("actor", dp_rank=0, is_collect=True)
+    with pytest.raises(ValueError, match="copies exactly one mesh"):  # verl silently keeps the last one
+        Worker().set_dispatch_collect("both", **outer.get_dispatch_collect())
+    with pytest.raises(ValueError, match=r"'train' is not registered on Worker rank 1 .registered: \['actor', 'ref'\]"):
+        outer._query_dispatch_info("train")
+
+
+# ----------------------------------------------------------------------------- nd dispatch on 4 ranks
+class MeshWorker(Worker):
+    """4 ranks, three meshes:
+    infer    [dp=2, tp=2]: rank r has dp r//2, tp r%2; collectors tp == 0 -> ranks 0 (dp 0), 2 (dp 1)
+    train    [pp=2, dp=2]: rank r has pp r//2, dp r%2; collectors pp == 1 -> ranks 2 (dp 0), 3 (dp 1)
+    reversed [dp=2, tp=2] with the dp groups numbered backwards: collectors rank 2 (dp 0), rank 0 (dp 1)
+    """
+
+    def __init__(self):
+        super().__init__()
+        torch.distributed.init_process_group(backend="gloo")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.infer_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        self.train_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        infer_dp, infer_tp = self.infer_mesh["dp"].get_local_rank(), self.infer_mesh["tp"].get_local_rank()
+        self._register_dispatch_collect_info("infer", dp_rank=infer_dp, is_collect=infer_tp == 0)
+        self._register_dispatch_collect_info("train", dp_rank=self.train_mesh["dp"].get_local_rank(),
+                                             is_collect=self.train_mesh["pp"].get_local_rank() == 1)
+        self._register_dispatch_collect_info("reversed", dp_rank=1 - infer_dp, is_collect=infer_tp == 0)
+        self._register_dispatch_collect_info("every_rank_collects", dp_rank=infer_dp, is_collect=True)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="infer"))
+    def generate(self, data: DataProto) -> DataProto:
+        data.batch["a"] += (self.infer_mesh["tp"].get_local_rank() + 1) * self.infer_mesh["dp"].get_local_rank()
+        return data
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="infer"), blocking=False)
+    def generate_async(self, data: DataProto) -> DataProto:
+        return self.generate(data)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"))
+    def train(self, data: DataProto) -> DataProto:
+        data.batch["a"] += (self.train_mesh["dp"].get_local_rank() + 2) * (self.train_mesh["pp"].get_local_rank() + 3)
+        return data
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="reversed"))
+    def tag_rank(self, data: DataProto) -> DataProto:
+        data.batch["rank"] = torch.full((len(data),), self.rank)
+        return data
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="every_rank_collects"))
+    def ambiguous(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="nowhere"))
+    def unregistered(self, data: DataProto) -> DataProto:
+        return data
+
+
+def proto(values) -> DataProto:
+    return DataProto.from_single_dict({"a": torch.tensor(values)})
+
+
+@pytest.fixture(scope="module")
+def mesh_group(ray_cluster):
+    pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=MeshWorker),
+                           device_name="cpu")
+    yield group
+    group.shutdown()
+    pool.remove()
+
+
+def test_nd_dispatch_sends_dp_chunks_and_keeps_the_collectors(mesh_group):
+    assert mesh_group.generate(proto([1, 2])).batch["a"].tolist() == [1, 3]  # dp0: 1 + 0; dp1: 2 + (0+1)*1
+    assert mesh_group._dispatch_info["infer"] == [0, 0, 1, 1]
+    assert mesh_group._collect_info["infer"] == [True, False, True, False]
+
+    assert mesh_group.train(proto([3, 4])).batch["a"].tolist() == [11, 16]  # 3 + 2*4 on rank 2; 4 + 3*4 on rank 3
+    assert mesh_group._dispatch_info["train"] == [0, 1, 0, 1]
+
+
+def test_nd_dispatch_pads_and_the_worker_unpads(mesh_group):
+    # 3 rows -> padded to 4: dp0 gets [1, 2], dp1 gets [3, 1 (padding)] and returns only [3 + 1]
+    assert mesh_group.generate(proto([1, 2, 3])).batch["a"].tolist() == [1, 2, 4]
+
+
+def test_nd_collectors_are_ordered_by_dp_rank(mesh_group):
+    # the "reversed" mesh's dp 0 is ranks 2, 3 and its dp 1 is ranks 0, 1: rows 0-1 come from rank 2
+    out = mesh_group.tag_rank(proto([10, 11, 12, 13]))
+    assert out.batch["rank"].tolist() == [2, 2, 0, 0] and out.batch["a"].tolist() == [10, 11, 12, 13]
+
+
+def test_each_dp_chunk_is_stored_once_and_shared_by_its_dp_group(mesh_group):
+    args, kwargs = dispatch_nd_compute_data_proto("infer", mesh_group, proto([5, 6, 7, 8]))
+    chunk_of_rank = args[0]
+    assert chunk_of_rank[0] is chunk_of_rank[1] and chunk_of_rank[2] is chunk_of_rank[3]
+    assert ray.get(chunk_of_rank[0]).batch["a"].tolist() == [5, 6]
+    assert ray.get(chunk_of_rank[2]).batch["a"].tolist() == [7, 8]
+    assert kwargs == {}  # no padding to undo
+
+
+def test_non_blocking_nd_call_returns_a_future_over_the_collectors(mesh_group):
+    future = mesh_group.generate_async(proto([1, 2, 3]))
+    assert isinstance(future, DataProtoFuture) and future.ranks == [0, 2]
+    assert future.get().batch["a"].tolist() == [1, 2, 4]
+    # chained into another nd call: each dp group reads its rows of the future; [1,2,4] -> dp0 [1,2], dp1 [4, 1]
+    assert mesh_group.generate(mesh_group.generate_async(proto([1, 2, 3]))).batch["a"].tolist() == [1, 2, 5]
+
+
+def test_nd_errors_name_the_mesh_and_the_fix(mesh_group):
+    with pytest.raises(ValueError, match=r"'every_rank_collects' needs exactly one collector .* ranks \[0, 1, 2, 3\]"):
+        mesh_group.ambiguous(proto([1, 2]))
+    with pytest.raises(WorkerError, match=r"mesh 'nowhere' is not registered .*_register_dispatch_collect_info"):
+        mesh_group.unregistered(proto([1, 2]))
+
+
+def _times_rank_plus_one(worker, data: DataProto) -> DataProto:
+    return DataProto.from_single_dict({"a": data.batch["a"] * (worker.rank + 1)})
+
+
+def _add(x, y):
+    return x + y
+
+
+def test_driver_functions_run_on_the_workers(mesh_group):
+    # DP_COMPUTE_PROTO_WITH_FUNC: rank r gets row r
+    out = mesh_group.execute_with_func_generator(_times_rank_plus_one, proto([1, 1, 1, 1]))
+    assert out.batch["a"].tolist() == [1, 2, 3, 4]
+    assert mesh_group.execute_func_rank_zero(_add, 2, y=3) == 5
+
+
+# ----------------------------------------------------------------------------- colocated roles
+class Trainer(Worker):
+    def __init__(self):
+        super().__init__()
+        self._register_dispatch_collect_info("model", dp_rank=self.rank // 2, is_collect=self.rank % 2 == 0)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="model"))
+    def rows_seen(self, data: DataProto) -> DataProto:
+        return DataProto.from_single_dict({"rows": torch.full((len(data),), len(data))})
+
+
+class Scorer(Worker):
+    def __init__(self):
+        super().__init__()
+        self._register_dispatch_collect_info("model", dp_rank=self.rank, is_collect=True)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="model"))
+    def rows_seen(self, data: DataProto) -> DataProto:
+        return DataProto.from_single_dict({"rows": torch.full((len(data),), len(data))})
+
+
+def test_spawned_roles_keep_their_own_mesh_registry(ray_cluster):
+    pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
+    colocated = create_colocated_worker_cls({"trainer": RayClassWithInitArgs(cls=Trainer),
+                                             "scorer": RayClassWithInitArgs(cls=Scorer)})
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated)
+    try:
+        roles = group.spawn(prefix_set={"trainer", "scorer"})
+        # the same mesh name means dp=2 for the trainer role (4 rows per dp rank) and dp=4 for the scorer (2)
+        assert roles["trainer"].rows_seen(proto(list(range(8)))).batch["rows"].tolist() == [4] * 8
+        assert roles["scorer"].rows_seen(proto(list(range(8)))).batch["rows"].tolist() == [2] * 8
+        assert roles["trainer"]._dispatch_info == {"model": [0, 0, 1, 1]}
+        assert roles["scorer"]._dispatch_info == {"model": [0, 1, 2, 3]}
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+# ----------------------------------------------------------------------------- environment and keywords
+class EnvWorker(Worker):
+    pass
+
+
+def test_worker_environment_is_verls(ray_cluster):
+    pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(cls=EnvWorker), name_prefix="env_test_", use_gpu=False,
+                           worker_env={"test_key": "test_value"})
+    try:
+        def env(key):
+            return group.execute_all_sync("getenv", key)
+
+        assert env("RAY_LOCAL_WORLD_SIZE") == ["4"] * 4
+        assert env("WORLD_SIZE") == ["4"] * 4 and env("RANK") == ["0", "1", "2", "3"]
+        assert env("LOCAL_RANK") == ["0"] * 4 and env("LOCAL_WORLD_SIZE") == ["1"] * 4
+        assert env("WG_PREFIX") == ["env_test_"] * 4 and env("WG_BACKEND") == ["ray"] * 4
+        assert env("test_key") == ["test_value"] * 4
+        masters = {tuple(m) for m in group.execute_all_sync("get_master_addr_port")}
+        assert len(masters) == 1 and masters == {(env("MASTER_ADDR")[0], env("MASTER_PORT")[0])}
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+@pytest.mark.parametrize("key", ["WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE", "MASTER_PORT", "WG_BACKEND"])
+def test_worker_env_may_not_override_the_groups_keys(key):
+    with pytest.raises(ValueError, match=key):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker),
+                       worker_env={key: "100"})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"use_gpu": True}, "use_gpu=True needs a resource pool with GPUs"),
+    ({"device_name": "npu"}, "device_name='npu' is not supported"),
+    ({"master_addr": "10.0.0.1", "master_port": "29500"}, "cannot be pinned"),
+    ({"profile_steps": [1], "worker_nsight_options": {}}, "nsight profiling"),
+])
+def test_verl_keywords_rlflow_does_not_support_name_themselves(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), **kwargs)
+    with pytest.raises(TypeError, match="no_such_option"):
+        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), no_such_option=1)
