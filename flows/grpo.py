@@ -43,6 +43,6 @@ def grpo(config: RLConfig) -> dict:
                 ref_lp = compute_ref_log_prob.submit(ref, gen, step)
                 batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
                 result = update_actor.submit(actor, batch, step).result()                               # 4
-                metrics.update(result["metrics"])
-                run.kl_ctrl_state = result["kl_ctrl_state"]
+                run.kl_ctrl_state = result.pop("kl_ctrl_state")
+                metrics.update(result)
     return run.last_metrics

@@ -11,14 +11,19 @@ Run it with ``rlflow train online_dpo --config demo rollout.n=4``.
 
 from __future__ import annotations
 
-import time
-
 from prefect import flow, task
 
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
 from flows.runtime import ray_task_runner, start_run
-from flows.stages import IDEMPOTENT, compute_ref_log_prob, compute_reward, generate_sequences, update_actor_dpo
+from flows.stages import (
+    IDEMPOTENT,
+    compute_ref_log_prob,
+    compute_reward,
+    generate_sequences,
+    timed,
+    update_actor_dpo,
+)
 from rlworkers.algorithms.batch_ops import compute_data_metrics, make_preference_pairs
 from rlworkers.protocol import DataProto
 
@@ -26,15 +31,15 @@ CRITICAL_PATH = [["gen"], ["reward", "ref"], ["pairs"], ["update_actor"]]
 
 
 @task(name="make_preference_pairs", task_run_name="make_preference_pairs-step-{step}", **IDEMPOTENT)
+@timed("pairs")
 def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float,
                      step: int) -> DataProto:
     """Merge the reward and reference columns into the batch, then pair it (``make_preference_pairs``)."""
-    start = time.perf_counter()
     for part in parts:
         batch.union(part)
     pairs = make_preference_pairs(batch, world_size)
     metrics = {**compute_data_metrics(batch), "dpo/pairs": len(pairs) // 2}
-    pairs.meta_info.update(dpo_beta=beta, data_metrics=metrics, **{"timing_s/pairs": time.perf_counter() - start})
+    pairs.meta_info.update(dpo_beta=beta, data_metrics=metrics)
     return pairs
 
 

@@ -48,7 +48,7 @@ def ppo(config: RLConfig) -> dict:
                 batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state, step)    # 3
                 critic_result = update_critic.submit(critic, batch, step)                           # 4
                 result = update_actor.submit(actor, batch, step).result()
+                run.kl_ctrl_state = result.pop("kl_ctrl_state")
                 metrics.update(critic_result.result())
-                metrics.update(result["metrics"])
-                run.kl_ctrl_state = result["kl_ctrl_state"]
+                metrics.update(result)
     return run.last_metrics

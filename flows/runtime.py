@@ -18,12 +18,12 @@ from typing import Iterator
 
 import fsspec
 import numpy as np
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.exceptions import UnfinishedRun
 
 from flows import lineage
 from flows.config import RLConfig, flatten, runs_root
-from flows.stages import IDEMPOTENT, validate
+from flows.stages import save_checkpoint, validate
 from flows.tracking import (
     ProgressArtifact,
     Tracker,
@@ -35,9 +35,6 @@ from flows.tracking import (
 )
 from rlworkers.checkpoint import (
     CheckpointSaveError,
-    apply_retention,
-    begin_checkpoint,
-    commit_checkpoint,
     find_latest_checkpoint,
     read_json,
     resolve_resume,
@@ -47,7 +44,7 @@ from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
 from rlworkers.models.loading import load_tokenizer, resolve_model_path
-from rlworkers.single_controller import PlacementError, WorkerError
+from rlworkers.single_controller import PlacementError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.storage import is_remote, storage_env
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -410,35 +407,6 @@ class TerminalProgress:
 
     def stop(self) -> None:
         self.bar.stop()
-
-
-@task(name="save_checkpoint", task_run_name="save_checkpoint-step-{step}", **IDEMPOTENT)
-def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int,
-                    previous: str | None) -> tuple[str, dict]:
-    """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically).
-    Retention runs only after the commit, so ``previous`` (the run's newest checkpoint) is intact whatever fails.
-
-    Raises:
-        CheckpointSaveError: a write failed (the store, not a worker): the message names what is still there.
-    """
-    step_dir = f"{root}/step_{step}"
-    try:
-        begin_checkpoint(root, step, overwrite=True)
-        for role, group in roles.items():
-            group.save_checkpoint(f"{step_dir}/{role}")
-        write_json(f"{step_dir}/trainer_state.json", trainer_state)
-        manifest = commit_checkpoint(step_dir, {"step": step, "world_size": trainer_state["world_size"]},
-                                     required=["trainer_state.json"])
-    except WorkerError as error:
-        if error.actor_died:
-            raise  # a lost or hung worker: the step is redone after a restart (Run.recover)
-        cause = str(error.cause).strip().splitlines()[0] if str(error.cause).strip() else ""
-        raise CheckpointSaveError(step_dir, previous, f"rank {error.rank} failed in {error.method}: "
-                                  f"{type(error.cause).__name__}: {cause}") from error
-    except Exception as error:  # OSError, botocore's EndpointConnectionError / ClientError, gcsfs's HttpError...
-        raise CheckpointSaveError(step_dir, previous, f"{type(error).__name__}: {error}") from error
-    apply_retention(root, keep_last)
-    return step_dir, manifest
 
 
 # ---------------------------------------------------------------------------------------------- set-up

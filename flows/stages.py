@@ -3,8 +3,8 @@ next stage needs. On RayTaskRunner every ``.submit()`` runs in a Ray worker; fut
 Ray's object store and never pass through the flow process.
 
 Task runs are named ``<stage>-step-<N>`` (the training step they belong to; validation before training is step 0).
-Every stage records ``timing_s/<stage>`` (seconds spent in the call) in the returned DataProto's ``meta_info``;
-the flow adds them up into the step's metrics.
+Every stage is ``@timed``: it records ``timing_s/<stage>`` (seconds spent in the call), and the stage that returns
+the step's metrics reports those of the stages before it, which its batch carries.
 
 Retry policy, per stage:
 - pure or idempotent stages (reward, log-probs, values, advantages, validation, checkpoint) retry in place, twice,
@@ -16,6 +16,7 @@ workers and restores the newest checkpoint (``trainer.max_restarts`` times at mo
 
 from __future__ import annotations
 
+import functools
 import time
 
 from prefect import task
@@ -24,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from rlworkers.algorithms.batch_ops import compute_advantage as compute_advantage_fn
 from rlworkers.algorithms.batch_ops import compute_data_metrics
 from rlworkers.algorithms.kl import get_kl_controller
+from rlworkers.checkpoint import CheckpointSaveError, apply_retention, begin_checkpoint, commit_checkpoint, write_json
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import WorkerError
 
@@ -45,49 +47,66 @@ IDEMPOTENT = {**STAGE, "retries": 2, "retry_delay_seconds": 1, "retry_condition_
 STATEFUL = {**STAGE, "retries": 0}
 
 
-def _timed(out: DataProto, name: str, start: float) -> DataProto:
-    out.meta_info[f"timing_s/{name}"] = time.perf_counter() - start
-    return out
+def timed(name: str):
+    """Decorate a stage function so it records ``timing_s/<name>``, the seconds spent in its call: in the
+    ``meta_info`` of the DataProto it returns (``union`` carries it on to the next stages), or, for a stage that
+    returns the step's metrics, in that dict beside the timings its input batches carry."""
+    key = f"timing_s/{name}"
+
+    def decorate(stage):
+        @functools.wraps(stage)  # Prefect reads the stage's signature (task_run_name uses ``step``)
+        def timed_stage(*args, **kwargs):
+            start = time.perf_counter()
+            out = stage(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            if isinstance(out, DataProto):
+                out.meta_info[key] = seconds
+                return out
+            batches = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, DataProto)]
+            earlier = {k: v for batch in batches for k, v in batch.meta_info.items() if k.startswith("timing_s/")}
+            return {**out, **earlier, key: seconds}
+        return timed_stage
+    return decorate
 
 
 # --------------------------------------------------------------------------------------------------- stages
 @task(name="generate_sequences", task_run_name="generate_sequences-step-{step}", **STATEFUL)
+@timed("gen")
 def generate_sequences(actor_rollout, prompts: DataProto, step: int) -> DataProto:
-    start = time.perf_counter()
-    return _timed(actor_rollout.generate_sequences(prompts), "gen", start)
+    return actor_rollout.generate_sequences(prompts)
 
 
 @task(name="compute_reward", task_run_name="compute_reward-step-{step}", **IDEMPOTENT)
+@timed("reward")
 def compute_reward(reward, batch: DataProto, step: int) -> DataProto:
-    start = time.perf_counter()
-    return _timed(reward.compute_rm_score(batch), "reward", start)
+    return reward.compute_rm_score(batch)
 
 
 @task(name="compute_log_prob", task_run_name="compute_log_prob-step-{step}", **IDEMPOTENT)
+@timed("old_log_prob")
 def compute_log_prob(actor, batch: DataProto, step: int) -> DataProto:
-    start = time.perf_counter()
     out = actor.compute_log_prob(batch)
     out.meta_info.pop("temperature", None)
-    return _timed(out, "old_log_prob", start)
+    return out
 
 
 @task(name="compute_ref_log_prob", task_run_name="compute_ref_log_prob-step-{step}", **IDEMPOTENT)
+@timed("ref")
 def compute_ref_log_prob(ref, batch: DataProto, step: int) -> DataProto:
-    start = time.perf_counter()
-    return _timed(ref.compute_ref_log_prob(batch), "ref", start)
+    return ref.compute_ref_log_prob(batch)
 
 
 @task(name="compute_values", task_run_name="compute_values-step-{step}", **IDEMPOTENT)
+@timed("values")
 def compute_values(critic, batch: DataProto, step: int) -> DataProto:
-    start = time.perf_counter()
-    return _timed(critic.compute_values(batch), "values", start)
+    return critic.compute_values(batch)
 
 
 @task(name="compute_advantage", task_run_name="compute_advantage-step-{step}", **IDEMPOTENT)
+@timed("adv")
 def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None,
                       step: int) -> DataProto:
     """Merge the stage outputs into the batch and add advantages (a pure function of its inputs)."""
-    start = time.perf_counter()
     for part in parts:
         batch.union(part)
     kl_ctrl = None
@@ -101,50 +120,75 @@ def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
         kl_penalty=algorithm["kl_penalty"])
     batch.meta_info["data_metrics"] = {**compute_data_metrics(batch), **kl_metrics}
     batch.meta_info["kl_ctrl_state"] = kl_ctrl.state_dict() if kl_ctrl is not None else None
-    return _timed(batch, "adv", start)
+    return batch
 
 
 @task(name="update_actor", task_run_name="update_actor-step-{step}", **STATEFUL)
+@timed("update_actor")
 def update_actor(actor, batch: DataProto, step: int) -> dict:
-    """PPO/GRPO policy update. Returns the step's metrics: update, data and every stage's timing."""
-    start = time.perf_counter()
-    out = actor.update_actor(batch)
-    return {"metrics": {**_mean_metrics(out), "timing_s/update_actor": time.perf_counter() - start,
-                        **batch.meta_info["data_metrics"], **_timings(batch)},
+    """PPO/GRPO policy update. Returns the step's metrics (update, data, every stage's timing) and, under
+    ``kl_ctrl_state``, the adaptive KL controller's state for the next step (the flow pops it)."""
+    return {**_mean_metrics(actor.update_actor(batch)), **batch.meta_info["data_metrics"],
             "kl_ctrl_state": batch.meta_info.get("kl_ctrl_state")}
 
 
 @task(name="update_critic", task_run_name="update_critic-step-{step}", **STATEFUL)
+@timed("update_critic")
 def update_critic(critic, batch: DataProto, step: int) -> dict:
-    start = time.perf_counter()
-    out = critic.update_critic(batch)
-    return {**_mean_metrics(out), "timing_s/update_critic": time.perf_counter() - start}
+    return _mean_metrics(critic.update_critic(batch))
 
 
 @task(name="sft_step", task_run_name="sft_step-step-{step}", **STATEFUL)
+@timed("sft_step")
 def sft_step(actor, batch: DataProto, step: int) -> dict:
-    start = time.perf_counter()
-    out = actor.sft_step(batch)
-    return {**_mean_metrics(out), "timing_s/sft_step": time.perf_counter() - start}
+    return _mean_metrics(actor.sft_step(batch))
 
 
 @task(name="update_actor_dpo", task_run_name="update_actor_dpo-step-{step}", **STATEFUL)
+@timed("update_actor")
 def update_actor_dpo(actor, batch: DataProto, step: int) -> dict:
     """DPO update on (chosen, rejected) row pairs; a step without pairs changes nothing."""
-    start = time.perf_counter()
     metrics = _mean_metrics(actor.update_actor_dpo(batch)) if len(batch) else {}
-    return {**metrics, **batch.meta_info.get("data_metrics", {}), **_timings(batch),
-            "timing_s/update_actor": time.perf_counter() - start}
+    return {**metrics, **batch.meta_info.get("data_metrics", {})}
 
 
 @task(name="validate", task_run_name="validate-step-{step}", **IDEMPOTENT)
+@timed("validate")
 def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
     """Greedy generation on the validation prompts, scored by the reward worker."""
-    start = time.perf_counter()
     prompts.meta_info.update(do_sample=False, n=1)
     gen = actor_rollout.generate_sequences(prompts)
     gen.union(reward.compute_rm_score(gen))
-    return _timed(gen, "validate", start)
+    return gen
+
+
+@task(name="save_checkpoint", task_run_name="save_checkpoint-step-{step}", **IDEMPOTENT)
+def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int,
+                    previous: str | None) -> tuple[str, dict]:
+    """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically).
+    Retention runs only after the commit, so ``previous`` (the run's newest checkpoint) is intact whatever fails.
+
+    Raises:
+        CheckpointSaveError: a write failed (the store, not a worker): the message names what is still there.
+    """
+    step_dir = f"{root}/step_{step}"
+    try:
+        begin_checkpoint(root, step, overwrite=True)
+        for role, group in roles.items():
+            group.save_checkpoint(f"{step_dir}/{role}")
+        write_json(f"{step_dir}/trainer_state.json", trainer_state)
+        manifest = commit_checkpoint(step_dir, {"step": step, "world_size": trainer_state["world_size"]},
+                                     required=["trainer_state.json"])
+    except WorkerError as error:
+        if error.actor_died:
+            raise  # a lost or hung worker: the step is redone after a restart (Run.recover)
+        cause = str(error.cause).strip().splitlines()[0] if str(error.cause).strip() else ""
+        raise CheckpointSaveError(step_dir, previous, f"rank {error.rank} failed in {error.method}: "
+                                  f"{type(error.cause).__name__}: {cause}") from error
+    except Exception as error:  # OSError, botocore's EndpointConnectionError / ClientError, gcsfs's HttpError...
+        raise CheckpointSaveError(step_dir, previous, f"{type(error).__name__}: {error}") from error
+    apply_retention(root, keep_last)
+    return step_dir, manifest
 
 
 def _mean_metrics(out: DataProto) -> dict[str, float]:
@@ -154,7 +198,3 @@ def _mean_metrics(out: DataProto) -> dict[str, float]:
         values = value if isinstance(value, list) else [value]
         metrics[key] = float(sum(values) / len(values))
     return metrics
-
-
-def _timings(batch: DataProto) -> dict[str, float]:
-    return {k: v for k, v in batch.meta_info.items() if k.startswith("timing_s/")}
