@@ -57,12 +57,12 @@ def _start_rendezvous_store(world_size: int) -> tuple[str, int]:
         _RENDEZVOUS_STORE = torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
         os.environ["MASTER_ADDR"] = host
         os.environ["MASTER_PORT"] = str(_RENDEZVOUS_STORE.port)
+        if os.environ.get(RENDEZVOUS_KEY_ENV):  # the group waits for this before it starts the other ranks
+            from ray.experimental.internal_kv import _internal_kv_put
+
+            _internal_kv_put(os.environ[RENDEZVOUS_KEY_ENV], f"{host}:{_RENDEZVOUS_STORE.port}")
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get(RENDEZVOUS_KEY_ENV):  # the group waits for this before it starts the other ranks
-        from ray.experimental.internal_kv import _internal_kv_put
-
-        _internal_kv_put(os.environ[RENDEZVOUS_KEY_ENV], f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
