@@ -11,7 +11,7 @@ Run it with ``rlflow train online_dpo --config demo rollout.n=4``.
 
 from __future__ import annotations
 
-from prefect import flow, task
+from prefect import flow
 
 from flows.config import RLConfig
 from flows.lineage import flow_run_name
@@ -21,7 +21,7 @@ from flows.stages import (
     compute_ref_log_prob,
     compute_reward,
     generate_sequences,
-    timed,
+    stage,
     update_actor_dpo,
 )
 from rlworkers.algorithms.batch_ops import compute_data_metrics, make_preference_pairs
@@ -30,8 +30,7 @@ from rlworkers.protocol import DataProto
 CRITICAL_PATH = [["gen"], ["reward", "ref"], ["pairs"], ["update_actor"]]
 
 
-@task(name="make_preference_pairs", task_run_name="make_preference_pairs-step-{step}", **IDEMPOTENT)
-@timed("pairs")
+@stage("make_preference_pairs", IDEMPOTENT, timing="pairs")
 def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float,
                      step: int) -> DataProto:
     """Merge the reward and reference columns into the batch, then pair it (``make_preference_pairs``)."""

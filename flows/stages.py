@@ -1,10 +1,11 @@
 """The RL stages as Prefect tasks: each calls one WorkerGroup method (or one pure function) and returns what the
-next stage needs. On RayTaskRunner every ``.submit()`` runs in a Ray worker; futures passed between stages stay in
+next stage needs. On the Ray task runner every ``.submit()`` runs in Ray; futures passed between stages stay in
 Ray's object store and never pass through the flow process.
 
 Task runs are named ``<stage>-step-<N>`` (the training step they belong to; validation before training is step 0).
-Every stage is ``@timed``: it records ``timing_s/<stage>`` (seconds spent in the call), and the stage that returns
-the step's metrics reports those of the stages before it, which its batch carries.
+Every stage is declared with ``@stage`` (name, retry policy, timing) and records ``timing_s/<stage>`` (seconds spent
+in the call); the stage that returns the step's metrics reports those of the stages before it, which its batch
+carries.
 
 Retry policy, per stage:
 - pure or idempotent stages (reward, log-probs, values, advantages, validation, checkpoint) retry in place, twice,
@@ -69,41 +70,44 @@ def timed(name: str):
     return decorate
 
 
+def stage(name: str, policy: dict, timing: str | None = None):
+    """Declare a stage task: Prefect task ``name`` with the retry ``policy`` (``IDEMPOTENT`` or ``STATEFUL``), its
+    runs named ``<name>-step-<step>``, ``@timed(timing)`` when ``timing`` is given."""
+    def decorate(fn):
+        body = timed(timing)(fn) if timing else fn
+        return task(name=name, task_run_name=f"{name}-step-{{step}}", **policy)(body)
+    return decorate
+
+
 # --------------------------------------------------------------------------------------------------- stages
-@task(name="generate_sequences", task_run_name="generate_sequences-step-{step}", **STATEFUL)
-@timed("gen")
+@stage("generate_sequences", STATEFUL, timing="gen")
 def generate_sequences(actor_rollout, prompts: DataProto, step: int) -> DataProto:
     return actor_rollout.generate_sequences(prompts)
 
 
-@task(name="compute_reward", task_run_name="compute_reward-step-{step}", **IDEMPOTENT)
-@timed("reward")
+@stage("compute_reward", IDEMPOTENT, timing="reward")
 def compute_reward(reward, batch: DataProto, step: int) -> DataProto:
     return reward.compute_rm_score(batch)
 
 
-@task(name="compute_log_prob", task_run_name="compute_log_prob-step-{step}", **IDEMPOTENT)
-@timed("old_log_prob")
+@stage("compute_log_prob", IDEMPOTENT, timing="old_log_prob")
 def compute_log_prob(actor, batch: DataProto, step: int) -> DataProto:
     out = actor.compute_log_prob(batch)
     out.meta_info.pop("temperature", None)
     return out
 
 
-@task(name="compute_ref_log_prob", task_run_name="compute_ref_log_prob-step-{step}", **IDEMPOTENT)
-@timed("ref")
+@stage("compute_ref_log_prob", IDEMPOTENT, timing="ref")
 def compute_ref_log_prob(ref, batch: DataProto, step: int) -> DataProto:
     return ref.compute_ref_log_prob(batch)
 
 
-@task(name="compute_values", task_run_name="compute_values-step-{step}", **IDEMPOTENT)
-@timed("values")
+@stage("compute_values", IDEMPOTENT, timing="values")
 def compute_values(critic, batch: DataProto, step: int) -> DataProto:
     return critic.compute_values(batch)
 
 
-@task(name="compute_advantage", task_run_name="compute_advantage-step-{step}", **IDEMPOTENT)
-@timed("adv")
+@stage("compute_advantage", IDEMPOTENT, timing="adv")
 def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None,
                       step: int) -> DataProto:
     """Merge the stage outputs into the batch and add advantages (a pure function of its inputs)."""
@@ -123,8 +127,7 @@ def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
     return batch
 
 
-@task(name="update_actor", task_run_name="update_actor-step-{step}", **STATEFUL)
-@timed("update_actor")
+@stage("update_actor", STATEFUL, timing="update_actor")
 def update_actor(actor, batch: DataProto, step: int) -> dict:
     """PPO/GRPO policy update. Returns the step's metrics (update, data, every stage's timing) and, under
     ``kl_ctrl_state``, the adaptive KL controller's state for the next step (the flow pops it)."""
@@ -132,28 +135,24 @@ def update_actor(actor, batch: DataProto, step: int) -> dict:
             "kl_ctrl_state": batch.meta_info.get("kl_ctrl_state")}
 
 
-@task(name="update_critic", task_run_name="update_critic-step-{step}", **STATEFUL)
-@timed("update_critic")
+@stage("update_critic", STATEFUL, timing="update_critic")
 def update_critic(critic, batch: DataProto, step: int) -> dict:
     return _mean_metrics(critic.update_critic(batch))
 
 
-@task(name="sft_step", task_run_name="sft_step-step-{step}", **STATEFUL)
-@timed("sft_step")
+@stage("sft_step", STATEFUL, timing="sft_step")
 def sft_step(actor, batch: DataProto, step: int) -> dict:
     return _mean_metrics(actor.sft_step(batch))
 
 
-@task(name="update_actor_dpo", task_run_name="update_actor_dpo-step-{step}", **STATEFUL)
-@timed("update_actor")
+@stage("update_actor_dpo", STATEFUL, timing="update_actor")
 def update_actor_dpo(actor, batch: DataProto, step: int) -> dict:
     """DPO update on (chosen, rejected) row pairs; a step without pairs changes nothing."""
     metrics = _mean_metrics(actor.update_actor_dpo(batch)) if len(batch) else {}
     return {**metrics, **batch.meta_info.get("data_metrics", {})}
 
 
-@task(name="validate", task_run_name="validate-step-{step}", **IDEMPOTENT)
-@timed("validate")
+@stage("validate", IDEMPOTENT, timing="validate")
 def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
     """Greedy generation on the validation prompts, scored by the reward worker."""
     prompts.meta_info.update(do_sample=False, n=1)
@@ -162,7 +161,7 @@ def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
     return gen
 
 
-@task(name="save_checkpoint", task_run_name="save_checkpoint-step-{step}", **IDEMPOTENT)
+@stage("save_checkpoint", IDEMPOTENT)
 def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int,
                     previous: str | None) -> tuple[str, dict]:
     """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically).
