@@ -10,7 +10,7 @@ import ray
 import torch
 
 from rlworkers.protocol import DataProto, DataProtoFuture
-from rlworkers.single_controller import Worker, WorkerError, register
+from rlworkers.single_controller import Dispatch, Worker, WorkerError, register
 from rlworkers.single_controller.base.decorator import (
     dispatch_nd_compute_data_proto,
     make_nd_compute_dataproto_dispatch_fn,
@@ -20,6 +20,7 @@ from rlworkers.single_controller.ray import (
     RayResourcePool,
     RayWorkerGroup,
     create_colocated_worker_cls,
+    create_colocated_worker_raw_cls,
 )
 
 
@@ -212,6 +213,54 @@ def test_spawned_roles_keep_their_own_mesh_registry(ray_cluster):
         assert roles["scorer"].rows_seen(proto(list(range(8)))).batch["rows"].tolist() == [2] * 8
         assert roles["trainer"]._dispatch_info == {"model": [0, 0, 1, 1]}
         assert roles["scorer"]._dispatch_info == {"model": [0, 1, 2, 3]}
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+class Adder(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def add(self, x):
+        return x + self.rank
+
+
+class Subtracter(Worker):
+    def __init__(self, val):
+        super().__init__()
+        self.val = val
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def sub(self, x):
+        return x - self.val
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sibling_add(self, x):
+        return self.get_fused_worker_by_name("actor").add(x)
+
+
+FusedBase = create_colocated_worker_raw_cls({"actor": RayClassWithInitArgs(cls=ray.remote(Adder)),
+                                             "critic": RayClassWithInitArgs(cls=Subtracter, val=10)})
+
+
+@ray.remote
+class HybridWorker(FusedBase):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def foo(self, x):
+        return self.critic.sub(self.actor.add(x))
+
+
+def test_fused_worker_subclass_and_fuse(ray_cluster):
+    """verl's test_fused_workers_on_cpu (ALL_TO_ALL gets a scalar: rlflow never scatters a list)."""
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=HybridWorker))
+    try:
+        group.fuse({"actor", "critic"})
+        assert group.actor.add(0.5) == [0.5, 1.5]  # + rank
+        assert group.critic.sub(0.5) == [-9.5, -9.5]
+        assert group.foo(0.5) == [-9.5, -8.5]  # the subclass's own method uses both roles in one process
+        assert group.critic.sibling_add(0.5) == [0.5, 1.5]  # a role reaches its sibling
+        with pytest.raises(ValueError, match=r"roles \['reward'\] that the colocated class lacks"):
+            group.spawn({"reward"})
     finally:
         group.shutdown()
         pool.remove()

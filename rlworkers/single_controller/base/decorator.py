@@ -53,10 +53,6 @@ class DynamicEnum:
             setattr(cls, name, member)
         return cls._registry[name]
 
-    @classmethod
-    def get(cls, name: str) -> "DynamicEnum":
-        return cls._registry[name]
-
     def __reduce__(self):
         return type(self).register, (self.name,)
 

@@ -74,8 +74,6 @@ class Worker:
         self._world_size = int(os.environ.get("WORLD_SIZE", 1))
         if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):  # every GPU is visible: pick Ray's
             os.environ["LOCAL_RANK"] = str(_assigned_gpu())
-        self._local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         if self._rank == 0 and not os.environ.get("MASTER_PORT"):  # a group's rank 0 gets it empty: see below
@@ -87,6 +85,7 @@ class Worker:
         self._master_port = os.environ.get("MASTER_PORT")
         self.__dispatch_dp_rank: dict[str, int] = {}
         self.__collect_dp_rank: dict[str, bool] = {}
+        self.fused_worker_dict: dict[str, Worker] = {}  # the roles colocated with this one (ray/colocate.py)
 
     @classmethod
     def env_keys(cls) -> list[str]:
@@ -99,10 +98,6 @@ class Worker:
     @property
     def world_size(self) -> int:
         return self._world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self._local_rank
 
     def get_master_addr_port(self) -> tuple[str, str | None]:
         return self._master_addr, self._master_port
@@ -124,6 +119,10 @@ class Worker:
 
     def getenv(self, key: str) -> str | None:
         return os.environ.get(key)
+
+    def get_fused_worker_by_name(self, worker_name: str) -> "Worker | None":
+        """The colocated role ``worker_name`` (``create_colocated_worker_raw_cls``), or None."""
+        return self.fused_worker_dict.get(worker_name)
 
     # --------------------------------------------------------------------------------- nd dispatch (verl's API)
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:

@@ -33,12 +33,6 @@ class ResourcePool:
     def store(self) -> list[int]:
         return list(self._store)
 
-    def local_world_size_list(self) -> list[int]:
-        return [count for count in self._store for _ in range(count)]
-
-    def local_rank_list(self) -> list[int]:
-        return [rank for count in self._store for rank in range(count)]
-
     def __call__(self) -> list[int]:
         return self.store
 
@@ -72,7 +66,6 @@ class WorkerGroup:
     """A group of workers of one class, called as one object. Backends implement execution and ``share``."""
 
     def __init__(self, resource_pool: ResourcePool | None, **kwargs):
-        self._is_init_with_detached_workers = resource_pool is None
         self._workers: list = []
         self._worker_names: list[str] = []
         self._master_addr: str | None = None

@@ -438,18 +438,31 @@ class RayWorkerGroup(WorkerGroup):
     # ------------------------------------------------------------------------------------------- colocation
     def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
         """One group per role of a colocated worker class, all sharing these actors."""
-        role_classes = getattr(self.ray_cls_with_init, "role_classes", None)
+        role_classes = getattr(self.ray_cls_with_init.user_cls, "raw_cls_dict", None)
         if role_classes is None:
-            raise ValueError("spawn() needs a group built from create_colocated_worker_cls(...)")
+            raise ValueError("spawn() needs a group built from create_colocated_worker_cls(...) or a subclass of "
+                             "create_colocated_worker_raw_cls(...)")
+        unknown = set(prefix_set) - set(role_classes)
+        if unknown:
+            raise ValueError(f"spawn() got roles {sorted(unknown)} that the colocated class lacks; it has "
+                             f"{sorted(role_classes)}")
         groups = {}
         for prefix in prefix_set:
             group = copy.copy(self)
-            group.__dict__ = {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
+            group.__dict__ = {k: v for k, v in self.__dict__.items()
+                              if not inspect.isfunction(v) and not isinstance(v, RayWorkerGroup)}
             group._bindings = []
             group._dispatch_info, group._collect_info = {}, {}  # each role registers its own meshes
             group._bind_worker_method(role_classes[prefix], func_generator, remote_prefix=f"{prefix}_")
             groups[prefix] = group
         return groups
+
+    def fuse(self, prefix_set) -> None:
+        """verl's fused groups: ``group.<role>`` is the role's group (as ``spawn`` makes it)."""
+        for role, group in self.spawn(prefix_set).items():
+            if hasattr(self, role) and not isinstance(getattr(self, role), RayWorkerGroup):
+                raise ValueError(f"role {role!r} clashes with a RayWorkerGroup attribute; rename the role")
+            setattr(self, role, group)
 
     # ------------------------------------------------------------------------------------------- recovery
     def unresponsive_ranks(self, timeout_s: float = 30.0) -> list[int]:
