@@ -709,13 +709,6 @@ class DataProtoFuture:
         self.method = method
         self.ranks = list(range(len(futures))) if ranks is None else list(ranks)
 
-    @staticmethod
-    def concat(data: Sequence["DataProtoFuture"]) -> "DataProtoFuture":
-        return DataProtoFuture(
-            [f for d in data for f in d.futures], [n for d in data for n in d.lengths],
-            method="+".join(d.method for d in data), ranks=[r for d in data for r in d.ranks],
-        )
-
     def get(self) -> DataProto:
         from rlworkers.single_controller.errors import get_with_rank
 
