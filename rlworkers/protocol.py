@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader
 __all__ = ["DataProto", "DataProtoItem", "DataProtoConfig", "DataProtoFuture", "ProtocolError", "plan_shard",
            "pad_dataproto_to_divisor", "unpad_dataproto", "union_two_dict", "union_tensor_dict", "union_numpy_dict",
            "list_of_dict_to_dict_of_list", "fold_batch_dim", "unfold_batch_dim", "collate_fn",
-           "serialize_single_tensor", "deserialize_single_tensor"]
+           "serialize_single_tensor", "deserialize_single_tensor", "all_gather_data_proto"]
 
 logger = logging.getLogger(__name__)
 
@@ -673,6 +673,25 @@ def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
                                                        batch_size=[rows])
     non_tensors = {k: unfold(v) for k, v in data.non_tensor_batch.items()}
     return type(data)(batch=batch, non_tensor_batch=non_tensors, meta_info=data.meta_info)
+
+
+def all_gather_data_proto(data: DataProto, process_group=None) -> None:
+    """In place, like ``torch.distributed.all_gather``: every rank of ``process_group`` ends with the rows of all
+    ranks, in rank order. Every rank must hold the same number of rows, with tensors on the device its backend
+    uses (CPU for gloo, CUDA for nccl)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group=process_group)
+    if data.batch is not None:
+        gathered = {}
+        for key, tensor in data.batch.items():
+            parts = [torch.empty_like(tensor) for _ in range(world_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=process_group)
+            gathered[key] = torch.cat(parts)
+        data.batch = TensorDict(gathered, batch_size=[len(data) * world_size])
+    columns = [None] * world_size
+    dist.all_gather_object(columns, data.non_tensor_batch, group=process_group)
+    data.non_tensor_batch = {k: np.concatenate([part[k] for part in columns]) for k in data.non_tensor_batch}
 
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:

@@ -14,6 +14,7 @@ from rlworkers.protocol import (
     DataProto,
     DataProtoConfig,
     ProtocolError,
+    all_gather_data_proto,
     collate_fn,
     deserialize_single_tensor,
     fold_batch_dim,
@@ -378,3 +379,29 @@ def test_get_data_info_and_print_size():
         "meta_info", "  steps: list[int]", "  cfg: dict[str: float]", "  pair: tuple(int, str)"])
     assert data.print_size("step 1") == (f"step 1, Size of tensordict: {24 / 1024**3} GB, "
                                          f"size of non_tensor_batch: {16 / 1024**3} GB")
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def _gather_on_rank(rank: int, world_size: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    data = DataProto.from_dict({"x": torch.full((2, 3), float(rank))}, {"who": [f"r{rank}a", f"r{rank}b"]})
+    all_gather_data_proto(data)
+    results[rank] = (data.batch["x"][:, 0].tolist(), data.non_tensor_batch["who"].tolist(), len(data))
+    dist.destroy_process_group()
+
+
+def test_all_gather_data_proto_gives_every_rank_all_rows_in_rank_order(tmp_path):
+    context = torch.multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        procs = [context.Process(target=_gather_on_rank, args=(rank, 2, str(tmp_path / "init"), results))
+                 for rank in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=120)
+        assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+        expected = ([0.0, 0.0, 1.0, 1.0], ["r0a", "r0b", "r1a", "r1b"], 4)
+        assert dict(results) == {0: expected, 1: expected}
