@@ -93,6 +93,8 @@ class TrainerConfig(_Frozen):
     runs_dir: str = Field("runs", description="local path or fsspec URL (s3://...) shared by driver and workers")
     resume: str = Field("auto", description="'auto' (newest valid checkpoint of run_name), 'never', or a path")
     n_workers: int = Field(2, gt=0, description="data-parallel actor workers")
+    colocate_ref: bool = Field(False, description="the reference model lives in the actor's worker processes "
+                               "(verl's actor_rollout_ref): no reference group to start, its log-probs data-parallel")
     device: Literal["cpu", "cuda"] = "cpu"
     ray_address: str | None = Field(None, description="existing Ray cluster; unset = start a local one")
     ray_num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray (placement slots); "

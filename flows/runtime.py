@@ -318,6 +318,14 @@ class Run:
         get_run_logger().info("%s v%s %s: %s", name, version, verdict, decision["reason"])
         return f"v{version} {verdict}: {decision['reason']}"
 
+    def distinct_groups(self) -> dict[str, RayWorkerGroup]:
+        """``groups`` with each group once, under its first role (``trainer.colocate_ref``: the reference is the
+        actor's group)."""
+        first: dict[int, tuple[str, RayWorkerGroup]] = {}
+        for name, group in self.groups.items():
+            first.setdefault(id(group), (name, group))
+        return dict(first.values())
+
     # ------------------------------------------------------------------------------------------ faults
     def recover(self, step: int, error: Exception) -> None:
         """After a failed step: replace the workers that died or hung, restore every stateful group from the
@@ -328,7 +336,7 @@ class Run:
         if isinstance(error, CheckpointSaveError):
             raise error  # the store failed, not a worker (a rank may still be stuck in its write): no restart
         started = time.perf_counter()
-        lost = {name: ranks for name, group in self.groups.items() if (ranks := group.unresponsive_ranks())}
+        lost = {name: ranks for name, group in self.distinct_groups().items() if (ranks := group.unresponsive_ranks())}
         failures = failed_stages(step, since=self.step_started_at) or [f"{type(error).__name__}: {error}"]
         if not lost:
             if isinstance(error, UnfinishedRun):  # a stage before this one failed: say which, and why
@@ -383,7 +391,7 @@ class Run:
     def close(self, status: str) -> None:
         if self.terminal:
             self.terminal.stop()
-        for group in self.groups.values():
+        for group in self.distinct_groups().values():
             group.shutdown()
             if group.resource_pool is not None:
                 group.resource_pool.remove()
@@ -587,9 +595,11 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
     use_gpu, timeout = trainer.device == "cuda", (trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample)
     model = config.model.model_copy(update={"path": model_path})  # resolved once: "tiny" -> its folder
     worker_config = config.worker_config().model_copy(update={"model": model})
+    colocate_ref = trainer.colocate_ref and "actor" in roles
     plans = {
         "actor": (ActorRolloutRefWorker, trainer.n_workers, {"use_gpu": use_gpu, "config": worker_config,
-                                                             "role": "actor_rollout"}),
+                                                             "role": "actor_rollout_ref" if colocate_ref
+                                                             else "actor_rollout"}),
         "ref": (ActorRolloutRefWorker, 1, {"use_gpu": use_gpu, "config": worker_config, "role": "ref"}),
         "critic": (CriticWorker, trainer.n_workers, {"use_gpu": use_gpu, "config": config.critic, "model": model,
                                                      "device": trainer.device, "seed": trainer.seed,
@@ -597,7 +607,7 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
         "reward": (RewardWorker, 1, {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward,
                                      "tokenizer_path": model_path}),
     }
-    wanted = [role for role in plans if role in roles]
+    wanted = [role for role in plans if role in roles and not (role == "ref" and colocate_ref)]
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
                    for role in wanted}
@@ -612,6 +622,8 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
             group.shutdown()
             group.resource_pool.remove()
         raise errors[0]
+    if colocate_ref and "ref" in roles:
+        groups["ref"] = groups["actor"]  # one group in two roles (Run.distinct_groups lists it once)
     return groups
 
 

@@ -121,6 +121,23 @@ def test_grpo_flow_end_to_end(env):
     assert [step for step, _ in list_checkpoints(f"{runs_root(config)}/checkpoints")] == [2, 3]
 
 
+def test_a_colocated_reference_gives_the_separate_ones_kl(env):
+    """trainer.colocate_ref: the reference lives in the actor's processes (no reference group); its log-probs, and
+    so the KL loss the actor trains with, are those of the separate reference group, step by step, and the KL is
+    not zero (the reference is the start model, not the policy being trained: an entropy bonus moves the policy
+    while the untrained model's rewards are all zero)."""
+    histories = {}
+    for colocate in (False, True):
+        name = f"coloc-{colocate}-{uuid.uuid4().hex[:6]}"
+        state, _ = run_flow("grpo", small_config(env, name, f"trainer.colocate_ref={str(colocate).lower()}",
+                                                 "actor.entropy_coeff=0.1"))  # the policy moves off the start
+        assert state.is_completed(), state.message
+        client, run = mlflow_run(name)
+        histories[colocate] = [m.value for m in client.get_metric_history(run.info.run_id, "actor/kl_loss")]
+    assert len(histories[True]) == 3 and any(value > 0 for value in histories[True]), histories
+    assert histories[True] == pytest.approx(histories[False], rel=1e-3, abs=1e-9), histories
+
+
 def _table_rows(artifact):
     import json
 

@@ -156,6 +156,7 @@ def test_batches_move_to_the_worker_device_without_touching_the_callers(worker):
 def test_checkpoint_round_trip(worker, tmp_path):
     out = generated(worker)
     out.union(worker.compute_log_prob(out))
+    start_ref = worker.compute_ref_log_prob(out).batch["ref_log_prob"]
     out.batch["advantages"] = torch.randn(len(out), 5) * out.batch["response_mask"]
     worker.update_actor(out)
     saved = worker.get_weights_checksum()
@@ -171,6 +172,8 @@ def test_checkpoint_round_trip(worker, tmp_path):
     assert worker.get_weights_checksum() == saved
     assert worker.update_steps == 1
     assert worker.optimizer.state_dict()["state"]  # Adam moments came back too
+    # a colocated reference stays the start model: the checkpoint holds the policy
+    assert torch.equal(worker.compute_ref_log_prob(out).batch["ref_log_prob"], start_ref)
 
 
 def test_reward_worker_rule_and_user_function(worker, tmp_path):

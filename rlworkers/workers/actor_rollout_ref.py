@@ -245,8 +245,7 @@ class ActorRolloutRefWorker(Worker):
         """The policy (or, on a reference-only worker, the reference) and its tokenizer as an HF folder, from rank
         0: what is published and registered, nothing else."""
         if self.rank == 0:
-            model = self.model if (self._is_actor or self._is_rollout) else self.ref_model
-            common.save_model(model, self.tokenizer, path)
+            common.save_model(self._primary_model(), self.tokenizer, path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
@@ -260,14 +259,13 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
-        """Load weights from an HF-format folder (and, for the actor, this rank's optimizer/scheduler/RNG)."""
-        state = common.load_weights(path)
-        for model in self._models():
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
-            if real_missing or unexpected:
-                raise ValueError(f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, "
-                                 f"unexpected {unexpected[:5]})")
+        """Load weights from an HF-format folder into the policy (the reference on a reference-only worker; a
+        colocated reference stays the start model) and, for the actor, this rank's optimizer/scheduler/RNG."""
+        missing, unexpected = self._primary_model().load_state_dict(common.load_weights(path), strict=False)
+        real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+        if real_missing or unexpected:
+            raise ValueError(f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
         self._sync_rollout_weights()
         if self._is_actor and load_optimizer:
             saved = common.load_torch(f"{path}/actor_state_rank_{self.rank}.pt")
@@ -279,14 +277,11 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_weights_checksum(self) -> float:
         """Sum of all weights in float64: equal across ranks when data-parallel replicas are in sync."""
-        model = next(iter(self._models()))
-        return float(sum(p.detach().double().sum() for p in model.parameters()))
+        return float(sum(p.detach().double().sum() for p in self._primary_model().parameters()))
 
-    def _models(self):
-        if self._is_actor or self._is_rollout:
-            yield self.model
-        if self._is_ref:
-            yield self.ref_model
+    def _primary_model(self) -> torch.nn.Module:
+        """What is saved, loaded and checked: the policy, or the reference on a reference-only worker."""
+        return self.model if (self._is_actor or self._is_rollout) else self.ref_model
 
     def _require(self, present: bool, method: str, role: str) -> None:
         if not present:
