@@ -21,9 +21,9 @@ imports (``from rlworkers import DataProto``). What is different, and why:
 * Padding for dispatch lives in two module functions beside the class (``pad_dataproto_to_divisor``,
   ``unpad_dataproto``). ``DataProtoConfig.auto_padding`` only lets ``chunk`` split unevenly; rlflow's
   ``Dispatch.DP_COMPUTE_PROTO`` always pads, whatever the switch says.
-
-``DataProtoFuture`` (the non-blocking result of a worker-group call) also lives here; it imports Ray only when a
-future is materialised, so this module imports neither Ray nor Prefect.
+* ``DataProtoFuture`` (the non-blocking result of a worker-group call) lives in
+  ``rlworkers.single_controller.futures``, not here: it waits on workers through the single controller, and
+  this module imports neither Ray, Prefect nor the single controller.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader
 
-__all__ = ["DataProto", "DataProtoItem", "DataProtoConfig", "DataProtoFuture", "ProtocolError", "plan_shard",
-           "pad_dataproto_to_divisor", "unpad_dataproto", "union_two_dict", "union_tensor_dict", "union_numpy_dict",
+__all__ = ["DataProto", "DataProtoItem", "DataProtoConfig", "ProtocolError", "pad_dataproto_to_divisor",
+           "unpad_dataproto", "union_two_dict", "union_tensor_dict", "union_numpy_dict",
            "list_of_dict_to_dict_of_list", "fold_batch_dim", "unfold_batch_dim", "collate_fn",
            "serialize_single_tensor", "deserialize_single_tensor", "all_gather_data_proto"]
 
@@ -708,80 +708,3 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last ``pad_size`` rows (the inverse of ``pad_dataproto_to_divisor``)."""
     return data.slice(0, len(data) - pad_size) if pad_size else data
-
-
-# --------------------------------------------------------------------------------------------------- futures
-class DataProtoFuture:
-    """The rows a non-blocking worker-group call will return: one Ray object per rank, in rank order.
-
-    ``futures[i]`` holds rank i's DataProto and ``lengths[i]`` its row count (a tiny separate object, so a consumer
-    can plan which chunks it needs without fetching any data). ``get()`` materialises everything on the caller.
-    Passed to another group's DP_COMPUTE_PROTO method, each consumer rank fetches only the chunks that overlap its
-    own rows (see ``plan_shard``), so each chunk moves once instead of once per consumer.
-    """
-
-    def __init__(self, futures: list, lengths: list, method: str = "", ranks: list[int] | None = None):
-        if len(futures) != len(lengths):
-            raise ValueError("DataProtoFuture needs one length per future")
-        self.futures = list(futures)
-        self.lengths = list(lengths)
-        self.method = method
-        self.ranks = list(range(len(futures))) if ranks is None else list(ranks)
-
-    def get(self) -> DataProto:
-        from rlworkers.single_controller.errors import get_with_rank
-
-        return DataProto.concat(get_with_rank(self.futures, self.ranks, self.method))
-
-    def materialize(self) -> tuple[DataProto, None]:
-        return self.get(), None
-
-    def shard(self, rank: int, world_size: int, auto_padding: bool) -> "DataProtoFutureShard":
-        return DataProtoFutureShard(self, rank, world_size, auto_padding)
-
-
-def plan_shard(lengths: Sequence[int], rank: int, world_size: int, auto_padding: bool):
-    """Which rows of which chunks rank ``rank`` of ``world_size`` needs, as ``[(chunk, start, stop)]``, and how
-    many rows at its end are padding. Padding repeats leading rows, like ``pad_dataproto_to_divisor``."""
-    total = int(sum(lengths))
-    pad = (-total) % world_size if auto_padding else 0
-    if pad == 0 and total % world_size:
-        raise ValueError(f"cannot split {total} rows into {world_size} equal parts without auto-padding")
-    size = (total + pad) // world_size
-    start, stop = rank * size, (rank + 1) * size
-    wanted = [(lo, hi) for lo, hi in [(start, min(stop, total))] if hi > lo]
-    pad_here = max(0, stop - max(start, total))
-    first_pad_row = max(start, total) - total  # index among the pad rows, which copy rows 0, 1, 2, ...
-    for row in range(first_pad_row, first_pad_row + pad_here):
-        wanted.append((row % total, row % total + 1))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-    plan = []
-    for lo, hi in wanted:
-        for chunk in range(len(lengths)):
-            c_lo, c_hi = max(lo, offsets[chunk]), min(hi, offsets[chunk + 1])
-            if c_hi > c_lo:
-                plan.append((chunk, int(c_lo - offsets[chunk]), int(c_hi - offsets[chunk])))
-    return plan, pad_here
-
-
-class DataProtoFutureShard:
-    """Rank ``rank``'s part of a DataProtoFuture; materialised inside the worker that receives it."""
-
-    def __init__(self, future: DataProtoFuture, rank: int, world_size: int, auto_padding: bool):
-        self.future, self.rank, self.world_size, self.auto_padding = future, rank, world_size, auto_padding
-
-    def materialize(self) -> tuple[DataProto, int]:
-        import ray
-
-        lengths = [n if isinstance(n, int) else None for n in self.future.lengths]
-        pending = [i for i, n in enumerate(lengths) if n is None]
-        for i, n in zip(pending, ray.get([self.future.lengths[i] for i in pending])):
-            lengths[i] = n
-        plan, pad = plan_shard(lengths, self.rank, self.world_size, self.auto_padding)
-        needed = sorted({chunk for chunk, _, _ in plan})
-        fetched = dict(zip(needed, ray.get([self.future.futures[i] for i in needed])))
-        parts = [fetched[chunk].slice(lo, hi) for chunk, lo, hi in plan]
-        return DataProto.concat(parts), pad
-
-    def get(self) -> DataProto:
-        return self.materialize()[0]

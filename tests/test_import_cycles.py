@@ -10,8 +10,7 @@ import ast
 from pathlib import Path
 
 RLWORKERS = Path(__file__).resolve().parents[1] / "rlworkers"
-# Being removed by the single-controller work (issue 11); delete the entry once it is gone.
-KNOWN_CYCLES = [{"rlworkers.protocol", "rlworkers.single_controller"}]
+KNOWN_CYCLES: list[set[str]] = []
 
 
 def unit_of(module: str) -> str:

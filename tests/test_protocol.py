@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlworkers.protocol import DataProto, pad_dataproto_to_divisor, plan_shard, unpad_dataproto
+from rlworkers.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from rlworkers.single_controller.futures import plan_shard
 
 
 def make(n=6, meta=None):

@@ -11,8 +11,16 @@ import pytest
 import ray
 import torch
 
-from rlworkers.protocol import DataProto, DataProtoFuture
-from rlworkers.single_controller import Dispatch, Execute, PlacementError, Worker, WorkerError, register
+from rlworkers.protocol import DataProto
+from rlworkers.single_controller import (
+    DataProtoFuture,
+    Dispatch,
+    Execute,
+    PlacementError,
+    Worker,
+    WorkerError,
+    register,
+)
 from rlworkers.single_controller.base.decorator import register_dispatch_mode
 from rlworkers.single_controller.ray import (
     RayClassWithInitArgs,

@@ -9,8 +9,8 @@ import pytest
 import ray
 import torch
 
-from rlworkers.protocol import DataProto, DataProtoFuture
-from rlworkers.single_controller import Dispatch, Worker, WorkerError, register
+from rlworkers.protocol import DataProto
+from rlworkers.single_controller import DataProtoFuture, Dispatch, Worker, WorkerError, register
 from rlworkers.single_controller.base.decorator import (
     dispatch_nd_compute_data_proto,
     make_nd_compute_dataproto_dispatch_fn,

@@ -25,7 +25,8 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from rlworkers.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor
+from rlworkers.protocol import DataProto, pad_dataproto_to_divisor
+from rlworkers.single_controller.futures import DataProtoFuture
 
 MAGIC_ATTR = "attrs_3141562937"  # verl's attribute name, kept so tools that look for it keep working
 PAD_KEY = "_rlflow_pad_rows"  # rows of padding at the end of this rank's chunk (driver -> worker)

@@ -18,7 +18,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlworkers.protocol import DataProto, DataProtoFuture
+from rlworkers.protocol import DataProto
 from rlworkers.single_controller.base.decorator import (
     DROP_OUTPUT_KEY,
     WITH_LEN_KEY,
@@ -28,6 +28,7 @@ from rlworkers.single_controller.base.decorator import (
 from rlworkers.single_controller.base.worker import RENDEZVOUS_KEY_ENV
 from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
 from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, get_with_rank
+from rlworkers.single_controller.futures import DataProtoFuture
 
 
 class RayResourcePool(ResourcePool):
