@@ -21,7 +21,9 @@ Printed per side: samples/s at the median step (256 / median step wall time), sa
 (steps x 256 / wall time of the child process, spawn to exit: imports, start-up, training, saving), that wall time
 (and in brackets the sum of the step times), and the mean sampled reward of the first and the last step; then each
 repeat's values (the two sides alternate which goes first), and last the ratio rlflow / TRL of the medians over
-``--repeats``. The machine should be otherwise idle: each run's line shows the load average when it started.
+``--repeats``. ``--variant KEY=VALUE`` (repeatable) adds an rlflow side with that config override (e.g.
+``trainer.colocate_ref=true``) and prints its ratio to plain rlflow. The machine should be otherwise idle: each
+run's line shows the load average when it started.
 
 The SFT model is configs/demo-sft.yaml cut to ``--sft-steps`` steps, trained once with rlflow into
 ~/.cache/rlflow/bench/vs_trl/sft/ and reused from there by later runs. Needs the servers (`rlflow server up`, or
@@ -144,8 +146,8 @@ def ensure_sft_model(sft_steps: int) -> tuple[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- one run per side
-def run_rlflow(config, samples_per_step: int, tag: str) -> dict:
-    """``rlflow train grpo`` in a child process; per-step metrics from its MLflow run."""
+def run_rlflow(config, samples_per_step: int, tag: str, overrides: tuple[str, ...] = ()) -> dict:
+    """``rlflow train grpo`` (+ ``overrides``) in a child process; per-step metrics from its MLflow run."""
     from mlflow.tracking import MlflowClient
 
     run_name = f"bench-vs-trl-{tag}"
@@ -154,7 +156,7 @@ def run_rlflow(config, samples_per_step: int, tag: str) -> dict:
     wall = run_child([PYTHON, "-m", "flows.cli", "train", "grpo", "--config", "demo", f"model.path={config.model.path}",
                       f"trainer.total_steps={config.trainer.total_steps}", f"trainer.run_name={run_name}",
                       "trainer.resume=never", f"trainer.runs_dir={runs_dir}", "trainer.test_freq=0",
-                      "trainer.save_freq=0"], CACHE / "logs" / f"{run_name}.log")
+                      "trainer.save_freq=0", *overrides], CACHE / "logs" / f"{run_name}.log")
     client = MlflowClient()
     experiment = client.get_experiment_by_name(config.trainer.project_name)
     run = client.search_runs([experiment.experiment_id], filter_string=f"tags.`rlflow.run_name` = '{run_name}'")[0]
@@ -238,6 +240,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per side")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side (the median is reported)")
     parser.add_argument("--sft-steps", type=int, default=500, help="steps of the SFT warm-up (made once, cached)")
+    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                        help="also run rlflow with this config override (e.g. trainer.colocate_ref=true), side by side")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run the TRL side here
     args = parser.parse_args()
     if args.trl_child:
@@ -251,6 +255,9 @@ def main() -> None:
         samples = config.data.train_batch_size * config.rollout.n
         spec = trl_spec(config)
         sides = {"rlflow": lambda tag: run_rlflow(config, samples, tag),
+                 **{f"rlflow {variant}": lambda tag, i=i, variant=variant: run_rlflow(config, samples, f"{tag}-v{i}",
+                                                                                         (variant,))
+                    for i, variant in enumerate(args.variant)},
                  "TRL": lambda tag: run_trl(spec, samples, tag)}
         results: dict[str, list[dict]] = {name: [] for name in sides}
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -267,18 +274,23 @@ def main() -> None:
     print(f"\nGRPO, {args.steps} steps x {samples} samples ({config.data.train_batch_size} prompts x "
           f"{config.rollout.n}), {config.rollout.response_length} new tokens, from the SFT model {sft_model} "
           f"(val accuracy {sft_accuracy:.1%} after {args.sft_steps} SFT steps); median of {args.repeats} run(s)")
-    print(f"{'':8s} {'samples/s median step':>22s} {'samples/s whole job':>20s} {'wall time (in steps)':>21s}  "
+    width = max(len(name) for name in results)
+    print(f"{'':{width}s} {'samples/s median step':>22s} {'samples/s whole job':>20s} {'wall time (in steps)':>21s}  "
           f"{'mean reward first -> last step':>30s}")
     median = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     for name, m in median.items():
-        print(f"{name:8s} {m['median_step']:22.1f} {m['whole_job']:20.1f} {m['wall']:7.1f}s ({m['in_steps']:5.1f}s)  "
-              f"{m['first_reward']:19.3f} -> {m['final_reward']:.3f}")
+        print(f"{name:{width}s} {m['median_step']:22.1f} {m['whole_job']:20.1f} {m['wall']:7.1f}s "
+              f"({m['in_steps']:5.1f}s)  {m['first_reward']:19.3f} -> {m['final_reward']:.3f}")
     print(f"spread over {args.repeats} run(s) (samples/s median step | whole job | wall s | load average at start, "
           f"{os.cpu_count()} cores):")
     for name, runs in results.items():
-        print(f"  {name:8s} " + ",  ".join(f"{r['median_step']:.1f} | {r['whole_job']:.1f} | {r['wall']:.0f} | "
+        print(f"  {name:{width}s} " + ",  ".join(f"{r['median_step']:.1f} | {r['whole_job']:.1f} | {r['wall']:.0f} | "
                                            f"{r['load']:.1f}" for r in runs))
     ratio = {key: median["rlflow"][key] / median["TRL"][key] for key in ("median_step", "whole_job")}
+    for variant in args.variant:
+        gain = {key: median[f"rlflow {variant}"][key] / median["rlflow"][key] for key in ("median_step", "whole_job")}
+        print(f"ratio rlflow {variant} / rlflow samples/s (median step): {gain['median_step']:.2f}x  "
+              f"whole job: {gain['whole_job']:.2f}x")
     print(f"ratio rlflow/TRL samples/s (median step): {ratio['median_step']:.2f}x  "
           f"whole job: {ratio['whole_job']:.2f}x")
 
