@@ -1,7 +1,8 @@
 """verl parity of the single controller: nd (device-mesh) dispatch, the Worker's dispatch/collect registry, the
-per-worker environment and RayWorkerGroup's verl keywords. Ported from verl's tests/single_controller/
-test_get_set_dispatch_collect_cpu.py, test_device_mesh_register.py (4 CPU ranks on gloo instead of 8 GPUs) and
-test_ray_local_envs_on_cpu.py; values are computed by hand in the comments."""
+per-worker environment, RayWorkerGroup's verl keywords and resource pools (split, merge, ResourcePoolManager).
+Ported from verl's tests/single_controller/ test_get_set_dispatch_collect_cpu.py, test_device_mesh_register.py
+(4 CPU ranks on gloo instead of 8 GPUs), test_ray_local_envs_on_cpu.py and test_split_resource_pool.py; values
+are computed by hand in the comments."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import ray
 import torch
 
 from rlworkers.protocol import DataProto
-from rlworkers.single_controller import DataProtoFuture, Dispatch, Worker, WorkerError, register
+from rlworkers.single_controller import DataProtoFuture, Dispatch, PlacementError, Worker, WorkerError, register
 from rlworkers.single_controller.base.decorator import (
     dispatch_nd_compute_data_proto,
     make_nd_compute_dataproto_dispatch_fn,
@@ -19,8 +20,12 @@ from rlworkers.single_controller.ray import (
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
+    ResourcePoolManager,
     create_colocated_worker_cls,
     create_colocated_worker_raw_cls,
+    merge_resource_pool,
+    sort_placement_group_by_node_ip,
+    split_resource_pool,
 )
 
 
@@ -309,3 +314,139 @@ def test_verl_keywords_rlflow_does_not_support_name_themselves(kwargs, message):
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), **kwargs)
     with pytest.raises(TypeError, match="no_such_option"):
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), no_such_option=1)
+
+
+# ----------------------------------------------------------------------------- splitting, merging, naming pools
+# Ported from verl's tests/single_controller/test_split_resource_pool.py (4 CPU bundles instead of 8 GPUs).
+class AddWorker(Worker):
+    def __init__(self, worker_id: int):
+        super().__init__()
+        self.worker_id = worker_id
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def add(self, data: DataProto) -> DataProto:
+        data.batch["a"] += self.rank + self.worker_id
+        return data
+
+
+def run_add(pools_and_rows: list[tuple], worker_id_step: int = 100) -> list[tuple[int, list[str], list[int]]]:
+    """Start one AddWorker group per pool (worker ids 0, 100, 200...), all alive together, then call ``add`` on
+    ``rows`` zeros each: ``(world size, where each rank runs as "pg:bundle", the rows)`` per group."""
+    groups = [RayWorkerGroup(resource_pool=pool,
+                             ray_cls_with_init=RayClassWithInitArgs(cls=AddWorker, worker_id=i * worker_id_step))
+              for i, (pool, _) in enumerate(pools_and_rows)]
+    try:
+        return [(group.world_size, [name.rsplit("_", 1)[1] for name in group.worker_names],
+                 group.add(proto([0] * rows)).batch["a"].tolist())
+                for group, (_, rows) in zip(groups, pools_and_rows)]
+    finally:
+        for group in groups:
+            group.shutdown()
+
+
+def cpu_pool(process_on_nodes: list[int]) -> RayResourcePool:
+    return RayResourcePool(process_on_nodes, use_gpu=False, max_colocate_count=1)
+
+
+def test_split_resource_pool_with_split_size(ray_cluster):
+    pool = cpu_pool([2, 2])
+    first, second = split_resource_pool(pool, split_size=2)
+    try:
+        assert run_add([(first, 4), (second, 4)]) == [
+            (2, ["0:0", "0:1"], [0, 0, 1, 1]),  # rows 2 per rank: rank + 0
+            (2, ["1:0", "1:1"], [100, 100, 101, 101]),  # the second placement group, rank + 100
+        ]
+        with pytest.raises(ValueError, match=r"call remove\(\) on the pool it was split from"):
+            second.remove()
+    finally:
+        pool.remove()
+
+
+def test_split_resource_pool_with_split_size_list_across_placement_groups(ray_cluster):
+    pool = cpu_pool([2, 2])
+    first, second = split_resource_pool(pool, split_size=[1, 3])
+    try:
+        assert run_add([(first, 4), (second, 3)]) == [
+            (1, ["0:0"], [0, 0, 0, 0]),
+            (3, ["0:1", "1:0", "1:1"], [100, 101, 102]),  # ranks 0..2 of the part start at bundle 1
+        ]
+    finally:
+        pool.remove()
+
+
+def test_split_resource_pool_twice(ray_cluster):
+    pool = cpu_pool([4])
+    first, middle, last = split_resource_pool(pool, split_size=[1, 2, 1])
+    middle_first, middle_second = split_resource_pool(middle, split_size=1)
+    try:
+        results = run_add([(first, 2), (middle_first, 2), (middle_second, 2), (last, 2)])
+        assert results == [(1, ["0:0"], [0, 0]), (1, ["0:1"], [100, 100]), (1, ["0:2"], [200, 200]),
+                           (1, ["0:3"], [300, 300])]
+    finally:
+        pool.remove()
+
+
+@pytest.mark.parametrize("split_size, message", [(3, "must divide the pool's world size 4"),
+                                                 ([1, 2], "summing to the pool's world size 4"),
+                                                 ([4, 0], "must be positive sizes")])
+def test_split_sizes_that_do_not_fit_name_the_world_size(split_size, message):
+    with pytest.raises(ValueError, match=message):
+        split_resource_pool(cpu_pool([2, 2]), split_size=split_size)
+
+
+def test_merge_resource_pool_puts_the_second_pools_ranks_after_the_first(ray_cluster):
+    one, two = cpu_pool([1]), cpu_pool([2])
+    merged = merge_resource_pool(one, two)
+    try:
+        assert run_add([(merged, 3)]) == [(3, ["0:0", "1:0", "1:1"], [0, 1, 2])]
+    finally:
+        one.remove()
+        two.remove()
+
+
+def test_merge_resource_pool_needs_equal_options():
+    with pytest.raises(ValueError, match="max_colocate_count differ"):
+        merge_resource_pool(cpu_pool([1]), RayResourcePool([1], use_gpu=False, max_colocate_count=2))
+
+
+def test_resource_pool_manager_gives_each_role_its_pool(ray_cluster):
+    manager = ResourcePoolManager(resource_pool_spec={"global_pool": [2, 1], "reward_pool": [1]},
+                                  mapping={"actor": "global_pool", "critic": "global_pool", "reward": "reward_pool"},
+                                  use_gpu=False, max_colocate_count=2)
+    manager.create_resource_pool()
+    actor_pool = manager.get_resource_pool("actor")
+    try:
+        assert manager.get_n_gpus() == 4
+        assert actor_pool is manager.get_resource_pool("critic") is manager.resource_pool_dict["global_pool"]
+        # actor and critic share the global pool's 3 bundles (max_colocate_count=2); the reward model has its own
+        assert run_add([(actor_pool, 3), (manager.get_resource_pool("critic"), 3),
+                        (manager.get_resource_pool("reward"), 1)], worker_id_step=10) == [
+            (3, ["0:0", "0:1", "1:0"], [0, 1, 2]),
+            (3, ["0:0", "0:1", "1:0"], [10, 11, 12]),
+            (1, ["0:0"], [20]),
+        ]
+        with pytest.raises(KeyError, match="role 'rollout' has no resource pool"):
+            manager.get_resource_pool("rollout")
+    finally:
+        for pool in manager.resource_pool_dict.values():
+            pool.remove()
+
+
+def test_resource_pool_manager_checks_the_cluster_and_its_mapping(ray_cluster):
+    huge = ResourcePoolManager({"huge": [500, 500]}, {"actor": "huge"}, use_gpu=False, max_colocate_count=1)
+    with pytest.raises(PlacementError, match=r"need \{'CPU': 1000.0\} together"):  # 16 CPUs in the test cluster
+        huge.create_resource_pool()
+    with pytest.raises(ValueError, match=r"mapping names pools \['rollout_pool'\] that resource_pool_spec lacks"):
+        ResourcePoolManager({"global_pool": [1]}, {"rollout": "rollout_pool"}).create_resource_pool()
+
+
+def test_placement_groups_are_ordered_by_node_ip(monkeypatch):
+    from rlworkers.single_controller.ray import base
+
+    node_ips = {"node-a": "10.0.0.3", "node-b": "10.0.0.1", "node-c": "10.0.0.2"}
+    monkeypatch.setattr(base.ray, "nodes", lambda: [{"NodeID": node, "NodeManagerAddress": ip}
+                                                    for node, ip in node_ips.items()])
+    # a fake placement group is the name of its node; groups on the same node keep their order
+    monkeypatch.setattr(base, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: pg.split("/")[0]}})
+    pgs = ["node-a/0", "node-b/0", "node-c/0", "node-b/1"]
+    assert sort_placement_group_by_node_ip(pgs) == ["node-b/0", "node-b/1", "node-c/0", "node-a/0"]
