@@ -85,10 +85,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    ray.init(num_cpus=max(args.workers) * 2 + 2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=4 * 2**30)
-    print(f"{'MB':>5} {'workers':>7} {'put/get s':>10} {'raw s':>8} {'raw-np s':>9} {'rlflow s':>9} "
-          f"{'ratio':>6} {'vs-np':>6}")
+    ray.init(
+        num_cpus=max(args.workers) * 2 + 2, include_dashboard=False, log_to_driver=False, object_store_memory=4 * 2**30
+    )
+    print(
+        f"{'MB':>5} {'workers':>7} {'put/get s':>10} {'raw s':>8} {'raw-np s':>9} {'rlflow s':>9} "
+        f"{'ratio':>6} {'vs-np':>6}"
+    )
     for n in args.workers:
         pool = RayResourcePool([n], use_gpu=False, max_colocate_count=1, cpus_per_worker=1)
         group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=IdentityWorker))
@@ -102,8 +105,11 @@ def main() -> None:
             raw = timed(lambda: run_raw(actors, tensors), args.repeats)
             raw_np = timed(lambda: run_raw_numpy(actors, tensors), args.repeats)
             ours = timed(lambda: group.identity(data), args.repeats)
-            print(f"{size:>5} {n:>7} {put_get:>10.4f} {raw:>8.4f} {raw_np:>9.4f} {ours:>9.4f} "
-                  f"{ours / raw:>6.2f} {ours / raw_np:>6.2f}", flush=True)
+            print(
+                f"{size:>5} {n:>7} {put_get:>10.4f} {raw:>8.4f} {raw_np:>9.4f} {ours:>9.4f} "
+                f"{ours / raw:>6.2f} {ours / raw_np:>6.2f}",
+                flush=True,
+            )
         group.shutdown()
         pool.remove()
         for actor in actors:

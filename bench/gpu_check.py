@@ -38,18 +38,27 @@ def timed(fn, *args):
 
 def run(dtype: str, path: str, args) -> dict[str, float]:
     total = args.prompts * args.n
-    config = WorkerConfig.model_validate({
-        "model": {"path": path, "dtype": dtype}, "device": args.device,
-        "rollout": {"response_length": args.response_length, "n": args.n, "log_prob_micro_batch_size_per_gpu": 64},
-        "actor": {"ppo_mini_batch_size": total // 2, "ppo_micro_batch_size_per_gpu": min(32, total // 2),
-                  "use_kl_loss": True, "optim": {"lr": 1e-5}}})
+    config = WorkerConfig.model_validate(
+        {
+            "model": {"path": path, "dtype": dtype},
+            "device": args.device,
+            "rollout": {"response_length": args.response_length, "n": args.n, "log_prob_micro_batch_size_per_gpu": 64},
+            "actor": {
+                "ppo_mini_batch_size": total // 2,
+                "ppo_micro_batch_size_per_gpu": min(32, total // 2),
+                "use_kl_loss": True,
+                "optim": {"lr": 1e-5},
+            },
+        }
+    )
     worker = ActorRolloutRefWorker(config, role="actor_rollout_ref")
     worker.init_model()
     assert torch.distributed.get_backend() == ("nccl" if args.device == "cuda" else "gloo")
     assert next(worker.model.parameters()).dtype == getattr(torch, dtype)
     assert next(worker.model.parameters()).device.type == args.device
-    prompts = prompt_batch(addition_rows(num_train=args.prompts, num_val=1, max_digits=3, seed=0)["train"],
-                           worker.tokenizer)
+    prompts = prompt_batch(
+        addition_rows(num_train=args.prompts, num_val=1, max_digits=3, seed=0)["train"], worker.tokenizer
+    )
     prompts.meta_info["n"] = args.n
     times = {k: [] for k in ("generate", "log_prob", "ref_log_prob", "update")}
     gaps, losses = [], []
@@ -63,8 +72,9 @@ def run(dtype: str, path: str, args) -> dict[str, float]:
         gaps.append(float((gen.batch["rollout_log_probs"] - gen.batch["old_log_probs"])[mask].abs().max()))
         scores = torch.randn(len(gen))  # the reward does not matter for the mechanics
         token_scores = scores[:, None] * gen.batch["response_mask"]
-        advantages, _ = core_algos.compute_grpo_outcome_advantage(token_scores, gen.batch["response_mask"],
-                                                                  gen.non_tensor_batch["uid"])
+        advantages, _ = core_algos.compute_grpo_outcome_advantage(
+            token_scores, gen.batch["response_mask"], gen.non_tensor_batch["uid"]
+        )
         gen.batch["advantages"] = advantages
         out, t_up = timed(worker.update_actor, gen)
         losses.append(out.meta_info["metrics"]["actor/pg_loss"])
@@ -105,13 +115,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this check needs a GPU (--device cpu for a dry run)")
-    path = str(ensure_tiny_model(os.path.join(tempfile.gettempdir(), f"rlflow-llama-{args.layers}x{args.hidden}"),
-                                 num_layers=args.layers, hidden_size=args.hidden))
+    path = str(
+        ensure_tiny_model(
+            os.path.join(tempfile.gettempdir(), f"rlflow-llama-{args.layers}x{args.hidden}"),
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+        )
+    )
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{device}, torch {torch.__version__}, random Llama {args.layers}x{args.hidden}")
     medians = {dtype: run(dtype, path, args) for dtype in ("float32", "bfloat16")}
-    print("\nbf16 / float32 time per stage: " + ", ".join(
-        f"{k} {medians['bfloat16'][k] / medians['float32'][k]:.2f}" for k in medians["float32"]))
+    print(
+        "\nbf16 / float32 time per stage: "
+        + ", ".join(f"{k} {medians['bfloat16'][k] / medians['float32'][k]:.2f}" for k in medians["float32"])
+    )
 
 
 if __name__ == "__main__":

@@ -78,9 +78,18 @@ def measure(name: str, sizes: dict, args, root: Path) -> list[dict]:
         prompts = prompt_batch(rows[:batch_size], tokenizer)
         rates = tokens_per_second({"hf": hf, "vllm": vllm}, prompts, args.repeats)
         (hf_rate, hf_cpu), (vllm_rate, vllm_cpu) = rates["hf"], rates["vllm"]
-        results.append({"model": name, "params": params, "batch": batch_size, "hf": hf_rate, "vllm": vllm_rate,
-                        "cpu_ratio": vllm_cpu / hf_cpu, "engine_start": engine_start,
-                        "sync": statistics.median(syncs)})
+        results.append(
+            {
+                "model": name,
+                "params": params,
+                "batch": batch_size,
+                "hf": hf_rate,
+                "vllm": vllm_rate,
+                "cpu_ratio": vllm_cpu / hf_cpu,
+                "engine_start": engine_start,
+                "sync": statistics.median(syncs),
+            }
+        )
         print(f"  {name} batch {batch_size}: hf {hf_rate:,.0f} tok/s, vllm {vllm_rate:,.0f} tok/s", flush=True)
     del vllm, hf
     gc.collect()
@@ -100,15 +109,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlflow-bench-rollout-") as root:
         for name in args.models:
             results += measure(name, MODELS[name], args, Path(root))
-    print(f"\nrollout tokens/s, {args.response_length} new tokens per sequence, {torch.get_num_threads()} torch "
-          f"threads, best of {args.repeats} runs; load average {load_before:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs")
-    print(f"{'model':<12} {'params':>7} {'batch':>6} {'hf tok/s':>10} {'vllm tok/s':>11} {'vllm/hf':>8} "
-          f"{'per cpu-s':>10} {'engine start':>13} {'sync':>8}")
+    print(
+        f"\nrollout tokens/s, {args.response_length} new tokens per sequence, {torch.get_num_threads()} torch "
+        f"threads, best of {args.repeats} runs; load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'model':<12} {'params':>7} {'batch':>6} {'hf tok/s':>10} {'vllm tok/s':>11} {'vllm/hf':>8} "
+        f"{'per cpu-s':>10} {'engine start':>13} {'sync':>8}"
+    )
     for r in results:
-        print(f"{r['model']:<12} {r['params'] / 1e6:>6.1f}M {r['batch']:>6} {r['hf']:>10,.0f} {r['vllm']:>11,.0f} "
-              f"{r['vllm'] / r['hf']:>7.2f}x {r['cpu_ratio']:>9.2f}x {r['engine_start']:>12.1f}s "
-              f"{r['sync'] * 1000:>6.0f}ms")
+        print(
+            f"{r['model']:<12} {r['params'] / 1e6:>6.1f}M {r['batch']:>6} {r['hf']:>10,.0f} {r['vllm']:>11,.0f} "
+            f"{r['vllm'] / r['hf']:>7.2f}x {r['cpu_ratio']:>9.2f}x {r['engine_start']:>12.1f}s "
+            f"{r['sync'] * 1000:>6.0f}ms"
+        )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,18 @@ from rlworkers.workers.config import WorkerConfig
 
 def measure(workers: int, args, path: str, tokenizer) -> dict[str, float]:
     total = args.prompts * args.n
-    config = WorkerConfig.model_validate({
-        "model": {"path": path}, "rollout": {"response_length": args.response_length, "n": args.n},
-        "actor": {"ppo_mini_batch_size": total, "ppo_micro_batch_size_per_gpu": total // workers}})
+    config = WorkerConfig.model_validate(
+        {
+            "model": {"path": path},
+            "rollout": {"response_length": args.response_length, "n": args.n},
+            "actor": {"ppo_mini_batch_size": total, "ppo_micro_batch_size_per_gpu": total // workers},
+        }
+    )
     pool = RayResourcePool([workers], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-        cls=ActorRolloutRefWorker, config=config, role="actor_rollout"))
+    group = RayWorkerGroup(
+        resource_pool=pool,
+        ray_cls_with_init=RayClassWithInitArgs(cls=ActorRolloutRefWorker, config=config, role="actor_rollout"),
+    )
     group.init_model()
     prompts = prompt_batch(addition_rows(num_train=args.prompts, num_val=1, max_digits=2, seed=0)["train"], tokenizer)
     rates = {"generate": [], "log_prob": [], "update": []}

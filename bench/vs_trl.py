@@ -96,10 +96,18 @@ def trl_spec(config) -> dict:
         "disable_tqdm": True,
     }
     task = config.data.task
-    return {"model": config.model.path, "grpo_args": grpo_args, "updates_per_step": updates_per_step,
-            "task": {"num_train": task.num_train, "num_val": task.num_val, "max_digits": task.max_digits,
-                     "seed": task.seed},
-            "reward_fn": config.reward.reward_fn}
+    return {
+        "model": config.model.path,
+        "grpo_args": grpo_args,
+        "updates_per_step": updates_per_step,
+        "task": {
+            "num_train": task.num_train,
+            "num_val": task.num_val,
+            "max_digits": task.max_digits,
+            "seed": task.seed,
+        },
+        "reward_fn": config.reward.reward_fn,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- services, SFT model
@@ -135,12 +143,26 @@ def ensure_sft_model(sft_steps: int) -> tuple[str, float]:
     root = CACHE / "sft" / run_name
     result = root / "result.json"  # written last by rlflow, once the final model is saved
     if not result.exists():
-        print(f"SFT warm-up: configs/demo-sft.yaml for {sft_steps} steps into {root} (once; reused later) ...",
-              flush=True)
-        wall = run_child([PYTHON, "-m", "flows.cli", "train", "sft", "--config", "demo-sft",
-                          f"trainer.total_steps={sft_steps}", f"trainer.save_freq={sft_steps}",
-                          f"trainer.test_freq={sft_steps}", f"trainer.runs_dir={CACHE / 'sft'}",
-                          f"trainer.run_name={run_name}"], CACHE / "logs" / f"{run_name}.log")
+        print(
+            f"SFT warm-up: configs/demo-sft.yaml for {sft_steps} steps into {root} (once; reused later) ...", flush=True
+        )
+        wall = run_child(
+            [
+                PYTHON,
+                "-m",
+                "flows.cli",
+                "train",
+                "sft",
+                "--config",
+                "demo-sft",
+                f"trainer.total_steps={sft_steps}",
+                f"trainer.save_freq={sft_steps}",
+                f"trainer.test_freq={sft_steps}",
+                f"trainer.runs_dir={CACHE / 'sft'}",
+                f"trainer.run_name={run_name}",
+            ],
+            CACHE / "logs" / f"{run_name}.log",
+        )
         print(f"SFT warm-up done in {wall:.0f} s", flush=True)
     return str(root / "final_model"), json.loads(result.read_text())["val/score/mean"]
 
@@ -153,10 +175,26 @@ def run_rlflow(config, samples_per_step: int, tag: str, overrides: tuple[str, ..
     run_name = f"bench-vs-trl-{tag}"
     runs_dir = CACHE / "runs"
     load = os.getloadavg()[0]
-    wall = run_child([PYTHON, "-m", "flows.cli", "train", "grpo", "--config", "demo", f"model.path={config.model.path}",
-                      f"trainer.total_steps={config.trainer.total_steps}", f"trainer.run_name={run_name}",
-                      "trainer.resume=never", f"trainer.runs_dir={runs_dir}", "trainer.test_freq=0",
-                      "trainer.save_freq=0", *overrides], CACHE / "logs" / f"{run_name}.log")
+    wall = run_child(
+        [
+            PYTHON,
+            "-m",
+            "flows.cli",
+            "train",
+            "grpo",
+            "--config",
+            "demo",
+            f"model.path={config.model.path}",
+            f"trainer.total_steps={config.trainer.total_steps}",
+            f"trainer.run_name={run_name}",
+            "trainer.resume=never",
+            f"trainer.runs_dir={runs_dir}",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+            *overrides,
+        ],
+        CACHE / "logs" / f"{run_name}.log",
+    )
     client = MlflowClient()
     experiment = client.get_experiment_by_name(config.trainer.project_name)
     run = client.search_runs([experiment.experiment_id], filter_string=f"tags.`rlflow.run_name` = '{run_name}'")[0]
@@ -180,12 +218,19 @@ def run_trl(spec: dict, samples_per_step: int, tag: str) -> dict:
     return summarise(found["step_walls"], found["step_rewards"], wall, samples_per_step, load)
 
 
-def summarise(step_walls: list[float], step_rewards: list[float], wall: float, samples_per_step: int,
-              load: float) -> dict:
+def summarise(
+    step_walls: list[float], step_rewards: list[float], wall: float, samples_per_step: int, load: float
+) -> dict:
     """One run's numbers; ``load`` is the 1-minute load average when it started (other work on the machine)."""
-    return {"median_step": samples_per_step / statistics.median(step_walls),
-            "whole_job": samples_per_step * len(step_walls) / wall, "wall": wall, "in_steps": sum(step_walls),
-            "first_reward": step_rewards[0], "final_reward": step_rewards[-1], "load": load}
+    return {
+        "median_step": samples_per_step / statistics.median(step_walls),
+        "whole_job": samples_per_step * len(step_walls) / wall,
+        "wall": wall,
+        "in_steps": sum(step_walls),
+        "first_reward": step_rewards[0],
+        "final_reward": step_rewards[-1],
+        "load": load,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the TRL child
@@ -200,8 +245,9 @@ def trl_child(work: Path) -> None:
 
     spec = json.loads((work / "spec.json").read_text())
     rows = addition_rows(**spec["task"])["train"]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"], "data_source": r["data_source"]}
-                                 for r in rows])
+    dataset = Dataset.from_list(
+        [{"prompt": r["prompt"], "answer": r["answer"], "data_source": r["data_source"]} for r in rows]
+    )
     rlflow_reward = load_reward_fn(spec["reward_fn"])
     step_rewards: list[float] = []
 
@@ -225,8 +271,9 @@ def trl_child(work: Path) -> None:
 
     clock = StepClock()
     args = GRPOConfig(output_dir=str(work / "out"), **spec["grpo_args"])
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=addition_reward, args=args, train_dataset=dataset,
-                          callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=spec["model"], reward_funcs=addition_reward, args=args, train_dataset=dataset, callbacks=[clock]
+    )
     trainer.train()
     trainer.save_model(str(work / "out" / "final_model"))
     k = spec["updates_per_step"]
@@ -240,8 +287,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per side")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side (the median is reported)")
     parser.add_argument("--sft-steps", type=int, default=500, help="steps of the SFT warm-up (made once, cached)")
-    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
-                        help="also run rlflow with this config override (e.g. trainer.colocate_ref=true), side by side")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also run rlflow with this config override (e.g. trainer.colocate_ref=true), side by side",
+    )
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run the TRL side here
     args = parser.parse_args()
     if args.trl_child:
@@ -254,11 +306,16 @@ def main() -> None:
         config = job_config(args.steps, sft_model)
         samples = config.data.train_batch_size * config.rollout.n
         spec = trl_spec(config)
-        sides = {"rlflow": lambda tag: run_rlflow(config, samples, tag),
-                 **{f"rlflow {variant}": lambda tag, i=i, variant=variant: run_rlflow(config, samples, f"{tag}-v{i}",
-                                                                                         (variant,))
-                    for i, variant in enumerate(args.variant)},
-                 "TRL": lambda tag: run_trl(spec, samples, tag)}
+        sides = {
+            "rlflow": lambda tag: run_rlflow(config, samples, tag),
+            **{
+                f"rlflow {variant}": lambda tag, i=i, variant=variant: run_rlflow(
+                    config, samples, f"{tag}-v{i}", (variant,)
+                )
+                for i, variant in enumerate(args.variant)
+            },
+            "TRL": lambda tag: run_trl(spec, samples, tag),
+        }
         results: dict[str, list[dict]] = {name: [] for name in sides}
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for repeat in range(args.repeats):
@@ -271,28 +328,43 @@ def main() -> None:
         if started_services:
             subprocess.run([PYTHON, "-m", "flows.cli", "server", "down"], stdout=subprocess.DEVNULL, check=False)
 
-    print(f"\nGRPO, {args.steps} steps x {samples} samples ({config.data.train_batch_size} prompts x "
-          f"{config.rollout.n}), {config.rollout.response_length} new tokens, from the SFT model {sft_model} "
-          f"(val accuracy {sft_accuracy:.1%} after {args.sft_steps} SFT steps); median of {args.repeats} run(s)")
+    print(
+        f"\nGRPO, {args.steps} steps x {samples} samples ({config.data.train_batch_size} prompts x "
+        f"{config.rollout.n}), {config.rollout.response_length} new tokens, from the SFT model {sft_model} "
+        f"(val accuracy {sft_accuracy:.1%} after {args.sft_steps} SFT steps); median of {args.repeats} run(s)"
+    )
     width = max(len(name) for name in results)
-    print(f"{'':{width}s} {'samples/s median step':>22s} {'samples/s whole job':>20s} {'wall time (in steps)':>21s}  "
-          f"{'mean reward first -> last step':>30s}")
+    print(
+        f"{'':{width}s} {'samples/s median step':>22s} {'samples/s whole job':>20s} {'wall time (in steps)':>21s}  "
+        f"{'mean reward first -> last step':>30s}"
+    )
     median = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     for name, m in median.items():
-        print(f"{name:{width}s} {m['median_step']:22.1f} {m['whole_job']:20.1f} {m['wall']:7.1f}s "
-              f"({m['in_steps']:5.1f}s)  {m['first_reward']:19.3f} -> {m['final_reward']:.3f}")
-    print(f"spread over {args.repeats} run(s) (samples/s median step | whole job | wall s | load average at start, "
-          f"{os.cpu_count()} cores):")
+        print(
+            f"{name:{width}s} {m['median_step']:22.1f} {m['whole_job']:20.1f} {m['wall']:7.1f}s "
+            f"({m['in_steps']:5.1f}s)  {m['first_reward']:19.3f} -> {m['final_reward']:.3f}"
+        )
+    print(
+        f"spread over {args.repeats} run(s) (samples/s median step | whole job | wall s | load average at start, "
+        f"{os.cpu_count()} cores):"
+    )
     for name, runs in results.items():
-        print(f"  {name:{width}s} " + ",  ".join(f"{r['median_step']:.1f} | {r['whole_job']:.1f} | {r['wall']:.0f} | "
-                                           f"{r['load']:.1f}" for r in runs))
+        print(
+            f"  {name:{width}s} "
+            + ",  ".join(
+                f"{r['median_step']:.1f} | {r['whole_job']:.1f} | {r['wall']:.0f} | {r['load']:.1f}" for r in runs
+            )
+        )
     ratio = {key: median["rlflow"][key] / median["TRL"][key] for key in ("median_step", "whole_job")}
     for variant in args.variant:
         gain = {key: median[f"rlflow {variant}"][key] / median["rlflow"][key] for key in ("median_step", "whole_job")}
-        print(f"ratio rlflow {variant} / rlflow samples/s (median step): {gain['median_step']:.2f}x  "
-              f"whole job: {gain['whole_job']:.2f}x")
-    print(f"ratio rlflow/TRL samples/s (median step): {ratio['median_step']:.2f}x  "
-          f"whole job: {ratio['whole_job']:.2f}x")
+        print(
+            f"ratio rlflow {variant} / rlflow samples/s (median step): {gain['median_step']:.2f}x  "
+            f"whole job: {gain['whole_job']:.2f}x"
+        )
+    print(
+        f"ratio rlflow/TRL samples/s (median step): {ratio['median_step']:.2f}x  whole job: {ratio['whole_job']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """The ``rlflow`` command line.
 
-    rlflow server up|down|status                              local Prefect + MLflow servers (127.0.0.1)
-    rlflow train grpo --config demo trainer.total_steps=50    run a training flow (sft, grpo, ppo, online_dpo)
-    rlflow runs                                               runs: lineage, parent, model version, status, links
-    rlflow deploy                                             work pool, scheduled deployments, crash automations
-    rlflow worker                                             a Prefect process worker that runs the deployments
-    rlflow demo                                               SFT warm-up then GRPO on the built-in task
+rlflow server up|down|status                              local Prefect + MLflow servers (127.0.0.1)
+rlflow train grpo --config demo trainer.total_steps=50    run a training flow (sft, grpo, ppo, online_dpo)
+rlflow runs                                               runs: lineage, parent, model version, status, links
+rlflow deploy                                             work pool, scheduled deployments, crash automations
+rlflow worker                                             a Prefect process worker that runs the deployments
+rlflow demo                                               SFT warm-up then GRPO on the built-in task
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ from flows.services import (
     stop_services,
 )
 
-app = typer.Typer(help="RL post-training of language models as Prefect flows over Ray worker groups.",
-                  no_args_is_help=True, pretty_exceptions_show_locals=False)
-server_app = typer.Typer(help="Start, stop and inspect the local Prefect API server and MLflow tracking server.",
-                         no_args_is_help=True)
+app = typer.Typer(
+    help="RL post-training of language models as Prefect flows over Ray worker groups.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+server_app = typer.Typer(
+    help="Start, stop and inspect the local Prefect API server and MLflow tracking server.", no_args_is_help=True
+)
 app.add_typer(server_app, name="server")
 console = Console()
 
@@ -73,8 +77,10 @@ def train(
 
 
 @app.command()
-def runs(limit: int = typer.Option(20, help="most recent runs to list"),
-         lineage: Optional[str] = typer.Option(None, help="only the runs of this lineage")) -> None:
+def runs(
+    limit: int = typer.Option(20, help="most recent runs to list"),
+    lineage: Optional[str] = typer.Option(None, help="only the runs of this lineage"),
+) -> None:
     """List training runs: lineage, parent run, model version, status, and their Prefect and MLflow links."""
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -87,9 +93,12 @@ def runs(limit: int = typer.Option(20, help="most recent runs to list"),
     for column in ("Prefect flow run", "MLflow run"):
         table.add_column(column, overflow="fold")
     base = mlflow.get_tracking_uri().rstrip("/")
-    found = client.search_runs(experiment_ids=[e.experiment_id for e in client.search_experiments()],
-                               filter_string=f"tags.`rlflow.lineage` = '{lineage}'" if lineage else "",
-                               max_results=limit, order_by=["attributes.start_time DESC"])
+    found = client.search_runs(
+        experiment_ids=[e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`rlflow.lineage` = '{lineage}'" if lineage else "",
+        max_results=limit,
+        order_by=["attributes.start_time DESC"],
+    )
     names = {r.info.run_id: r.info.run_name for r in found}
     for run in found:
         tags = run.data.tags
@@ -98,10 +107,17 @@ def runs(limit: int = typer.Option(20, help="most recent runs to list"),
         model = f"v{tags['rlflow.model_version']}" if "rlflow.model_version" in tags else ""
         if "rlflow.promoted" in tags:
             model += " promoted" if tags["rlflow.promoted"] == "true" else " rejected"
-        table.add_row(tags.get("rlflow.run_name", run.info.run_name), tags.get("algorithm", ""),
-                      tags.get("rlflow.lineage", ""), names.get(parent, parent), model, run.info.status, str(steps),
-                      tags.get("prefect.flow_run_url", ""),
-                      f"{base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+        table.add_row(
+            tags.get("rlflow.run_name", run.info.run_name),
+            tags.get("algorithm", ""),
+            tags.get("rlflow.lineage", ""),
+            names.get(parent, parent),
+            model,
+            run.info.status,
+            str(steps),
+            tags.get("prefect.flow_run_url", ""),
+            f"{base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
+        )
     console.print(table)
 
 
@@ -126,8 +142,22 @@ def worker(limit: int = typer.Option(1, help="flow runs at once on this machine"
 
     use_running_services()
     require_prefect_api()
-    os.execvp(sys.executable, [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type",
-                               "process", "--limit", str(limit)])
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            POOL,
+            "--type",
+            "process",
+            "--limit",
+            str(limit),
+        ],
+    )
 
 
 @app.command()
@@ -153,14 +183,17 @@ def _cli_config(state_dir: Path | None, **overrides: Any) -> ServiceConfig:
 
 
 @server_app.command()
-def up(state_dir: Path | None = _StateDir,
-       host: str = typer.Option("127.0.0.1", help="Interface to bind; 0.0.0.0 exposes both servers."),
-       prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
-       mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
-       timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints.")) -> None:
+def up(
+    state_dir: Path | None = _StateDir,
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; 0.0.0.0 exposes both servers."),
+    prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
+    mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
+    timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints."),
+) -> None:
     """Start both servers in the background (or reuse running ones) and print their URLs."""
-    config = _cli_config(state_dir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
-                         startup_timeout_s=timeout)
+    config = _cli_config(
+        state_dir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port, startup_timeout_s=timeout
+    )
     try:
         with console.status("Starting the Prefect and MLflow servers..."):
             urls = start_services(config)
@@ -171,14 +204,17 @@ def up(state_dir: Path | None = _StateDir,
     for column in ("service", "pid", "UI", "client setting"):
         table.add_column(column, overflow="fold")
     table.add_row("Prefect", str(urls["prefect_pid"]), urls["prefect_ui"], f"{PREFECT_API_URL}={urls[PREFECT_API_URL]}")
-    table.add_row("MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"],
-                  f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}")
+    table.add_row(
+        "MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"], f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}"
+    )
     console.print(table)
     console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
     if config.host not in LOCAL_HOSTS:
-        console.print(f"[yellow]Bound to {config.host}: both servers accept connections from the network, "
-                      "without authentication. MLflow accepts only localhost and private-IP Host headers "
-                      "(see `mlflow server --allowed-hosts`).[/yellow]")
+        console.print(
+            f"[yellow]Bound to {config.host}: both servers accept connections from the network, "
+            "without authentication. MLflow accepts only localhost and private-IP Host headers "
+            "(see `mlflow server --allowed-hosts`).[/yellow]"
+        )
 
 
 @server_app.command()

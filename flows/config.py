@@ -65,8 +65,9 @@ class KLControlConfig(_Frozen):
 
 
 class AlgorithmConfig(_Frozen):
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                           "grpo_passk"] = "grpo"
+    adv_estimator: Literal[
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk"
+    ] = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = True
@@ -78,10 +79,16 @@ class AlgorithmConfig(_Frozen):
 
 class TrainerConfig(_Frozen):
     project_name: str = Field("rlflow", description="MLflow experiment")
-    run_name: str | None = Field(None, description="names the run folder and resume target; same name = same "
-                                 "run. Unset: '<lineage>-<UTC time>' for a lineage, else the algorithm's name")
-    lineage: str | None = Field(None, description="train a lineage: each run starts from its champion model and "
-                                "continues its data, then registers its model and promotes it if validation held")
+    run_name: str | None = Field(
+        None,
+        description="names the run folder and resume target; same name = same "
+        "run. Unset: '<lineage>-<UTC time>' for a lineage, else the algorithm's name",
+    )
+    lineage: str | None = Field(
+        None,
+        description="train a lineage: each run starts from its champion model and "
+        "continues its data, then registers its model and promotes it if validation held",
+    )
     promotion_alias: str = Field("champion", description="registry alias of a lineage's current model")
     promotion_tolerance: float = Field(0.0, ge=0, description="largest val/score/mean drop that still promotes")
     republish: bool = Field(False, description="publish an already complete run again instead of failing")
@@ -93,23 +100,39 @@ class TrainerConfig(_Frozen):
     runs_dir: str = Field("runs", description="local path or fsspec URL (s3://...) shared by driver and workers")
     resume: str = Field("auto", description="'auto' (newest valid checkpoint of run_name), 'never', or a path")
     n_workers: int = Field(2, gt=0, description="data-parallel actor workers")
-    colocate_ref: bool = Field(False, description="the reference model lives in the actor's worker processes "
-                               "(verl's actor_rollout_ref): no reference group to start, its log-probs data-parallel")
+    colocate_ref: bool = Field(
+        False,
+        description="the reference model lives in the actor's worker processes "
+        "(verl's actor_rollout_ref): no reference group to start, its log-probs data-parallel",
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     ray_address: str | None = Field(None, description="existing Ray cluster; unset = start a local one")
-    ray_num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray (placement slots); "
-                                     "ignored with ray_address")
+    ray_num_cpus: int | None = Field(
+        None, gt=0, description="logical CPUs of a local Ray (placement slots); ignored with ray_address"
+    )
     log_samples: int = Field(8, ge=0, description="sample generations logged per validation")
     log_model: bool = Field(True, description="log the final model to MLflow")
     register_model_name: str | None = Field(None, description="also register the final model under this name")
-    max_restarts: int = Field(3, ge=0, description="worker faults (a worker died or hung) a run recovers from "
-                              "by restoring its newest checkpoint; one more ends it Failed")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="worker faults (a worker died or hung) a run recovers from "
+        "by restoring its newest checkpoint; one more ends it Failed",
+    )
     stage_timeout_s: float = Field(600.0, gt=0, description="time limit of every worker-group call ...")
     stage_timeout_s_per_sample: float = Field(0.5, ge=0, description="... plus this per row of its batch")
-    collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed timeout: a dead peer ends a "
-                                        "collective with an error after this long instead of hanging")
-    capacity_timeout_s: float = Field(600.0, ge=0, description="how long a restart waits for room to place "
-                                      "workers again (a lost node coming back) before the run fails")
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="torch.distributed timeout: a dead peer ends a "
+        "collective with an error after this long instead of hanging",
+    )
+    capacity_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long a restart waits for room to place "
+        "workers again (a lost node coming back) before the run fails",
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -139,31 +162,43 @@ class RLConfig(_Frozen):
     def _check_model_reference(self):
         path = self.model.path
         if path.startswith(("models:", "runs:")) and not MODEL_REFERENCE.match(path):
-            raise ValueError(f"model.path {path!r} is not an MLflow model reference: use models:/<name>@<alias>, "
-                             "models:/<name>/<version> or runs:/<run id>/<path>")
+            raise ValueError(
+                f"model.path {path!r} is not an MLflow model reference: use models:/<name>@<alias>, "
+                "models:/<name>/<version> or runs:/<run id>/<path>"
+            )
         return self
 
     @model_validator(mode="after")
     def _check_batches(self):
         rows = self.data.train_batch_size * self.rollout.n
         n = self.trainer.n_workers
-        for name, value in (("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size),
-                            ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size)):
+        for name, value in (
+            ("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size),
+            ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size),
+        ):
             if value % n:
                 raise ValueError(f"{name} ({value}) must be divisible by trainer.n_workers ({n})")
         if rows % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size x rollout.n ({rows}) must be a multiple of actor.ppo_mini_batch_size "
-                f"({self.actor.ppo_mini_batch_size})")
+                f"({self.actor.ppo_mini_batch_size})"
+            )
         if self.actor.ppo_micro_batch_size_per_gpu > self.actor.ppo_mini_batch_size // n:
             raise ValueError(
                 f"actor.ppo_micro_batch_size_per_gpu ({self.actor.ppo_micro_batch_size_per_gpu}) exceeds the "
-                f"per-worker mini-batch ({self.actor.ppo_mini_batch_size // n}); lower it")
+                f"per-worker mini-batch ({self.actor.ppo_mini_batch_size // n}); lower it"
+            )
         return self
 
     def worker_config(self) -> WorkerConfig:
-        return WorkerConfig(model=self.model, actor=self.actor, rollout=self.rollout, device=self.trainer.device,
-                            seed=self.trainer.seed, collective_timeout_s=self.trainer.collective_timeout_s)
+        return WorkerConfig(
+            model=self.model,
+            actor=self.actor,
+            rollout=self.rollout,
+            device=self.trainer.device,
+            seed=self.trainer.seed,
+            collective_timeout_s=self.trainer.collective_timeout_s,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ loading

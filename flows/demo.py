@@ -19,8 +19,10 @@ console = Console()
 def _val_history(run_id: str) -> list[tuple[int, float]]:
     from mlflow.tracking import MlflowClient
 
-    return [(m.step, m.value) for m in sorted(MlflowClient().get_metric_history(run_id, "val/score/mean"),
-                                              key=lambda m: m.step)]
+    return [
+        (m.step, m.value)
+        for m in sorted(MlflowClient().get_metric_history(run_id, "val/score/mean"), key=lambda m: m.step)
+    ]
 
 
 def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
@@ -36,8 +38,11 @@ def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     sft_overrides = [f"trainer.run_name=demo-sft-{stamp}", "trainer.resume=never"]
     if sft_steps:
-        sft_overrides += [f"trainer.total_steps={sft_steps}", f"trainer.save_freq={sft_steps}",
-                          f"trainer.test_freq={sft_steps}"]
+        sft_overrides += [
+            f"trainer.total_steps={sft_steps}",
+            f"trainer.save_freq={sft_steps}",
+            f"trainer.test_freq={sft_steps}",
+        ]
     sft_config = load_config("demo-sft", sft_overrides)
     grpo_overrides = [f"trainer.run_name=demo-grpo-{stamp}", "trainer.resume=never"]
     if grpo_steps:
@@ -56,15 +61,26 @@ def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
 
     client = MlflowClient()
     experiment_id = client.get_experiment_by_name(sft_config.trainer.project_name).experiment_id
-    table = Table("phase", "steps", "val accuracy before", "val accuracy after", "wall time",
-                  title="2-digit addition, 200 held-out sums, greedy exact match")
+    table = Table(
+        "phase",
+        "steps",
+        "val accuracy before",
+        "val accuracy after",
+        "wall time",
+        title="2-digit addition, 200 held-out sums, greedy exact match",
+    )
     links = []
     for phase, config in (("sft", sft_config), ("grpo", grpo_config)):
         name = config.trainer.run_name
         run = client.search_runs([experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
         history = _val_history(run.info.run_id)
-        table.add_row(phase, str(config.trainer.total_steps), f"{history[0][1]:.1%}", f"{history[-1][1]:.1%}",
-                      f"{seconds[phase]:.0f} s")
+        table.add_row(
+            phase,
+            str(config.trainer.total_steps),
+            f"{history[0][1]:.1%}",
+            f"{history[-1][1]:.1%}",
+            f"{seconds[phase]:.0f} s",
+        )
         links.append(f"  {phase}: {urls['mlflow_ui']}/#/experiments/{experiment_id}/runs/{run.info.run_id}")
     console.print(table)
     console.print(f"done in {time.time() - started:.0f} s")

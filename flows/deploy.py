@@ -46,26 +46,43 @@ def automations() -> list:
         Automation(
             name="rlflow: crash unresponsive runs",
             description=f"Marks a run of an rlflow deployment Crashed when its heartbeats stop for "
-                        f"{HEARTBEAT_TIMEOUT_S} s (the process died with its worker or machine).",
+            f"{HEARTBEAT_TIMEOUT_S} s (the process died with its worker or machine).",
             trigger=EventTrigger(
-                match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=ours,
-                after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *terminal},
-                for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
-                within=timedelta(seconds=HEARTBEAT_TIMEOUT_S)),
-            actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                        message=f"no heartbeat for {HEARTBEAT_TIMEOUT_S} s: the process is gone")],
+                match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related=ours,
+                after={"prefect.flow-run.heartbeat"},
+                expect={"prefect.flow-run.heartbeat", *terminal},
+                for_each={"prefect.resource.id"},
+                posture=Posture.Proactive,
+                threshold=1,
+                within=timedelta(seconds=HEARTBEAT_TIMEOUT_S),
+            ),
+            actions=[
+                ChangeFlowRunState(
+                    state=StateType.CRASHED, message=f"no heartbeat for {HEARTBEAT_TIMEOUT_S} s: the process is gone"
+                )
+            ],
         ),
         Automation(
             name="rlflow: restart crashed runs",
             description="Starts a new attempt of a crashed run of an rlflow deployment; it resumes from the run's "
-                        "newest checkpoint. Attempts stop at trainer.max_crash_restarts crashes.",
+            "newest checkpoint. Attempts stop at trainer.max_crash_restarts crashes.",
             trigger=EventTrigger(
-                match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=ours,
-                expect={"prefect.flow-run.Crashed"}, for_each={"prefect.resource.id"}, posture=Posture.Reactive,
-                threshold=1, within=timedelta(0)),
-            actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name=RESTART_STATE_NAME,
-                                        message="rlflow: automatic restart after a crash; resumes from the newest "
-                                                "checkpoint")],
+                match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related=ours,
+                expect={"prefect.flow-run.Crashed"},
+                for_each={"prefect.resource.id"},
+                posture=Posture.Reactive,
+                threshold=1,
+                within=timedelta(0),
+            ),
+            actions=[
+                ChangeFlowRunState(
+                    state=StateType.SCHEDULED,
+                    name=RESTART_STATE_NAME,
+                    message="rlflow: automatic restart after a crash; resumes from the newest checkpoint",
+                )
+            ],
         ),
     ]
 
@@ -100,8 +117,9 @@ def deploy_all(prefect_file: Path = PREFECT_FILE) -> str:
 
 def _prefect(*args: str) -> str:
     env = {**os.environ, "RLFLOW_PROJECT_DIR": str(PROJECT_DIR)}
-    result = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=PROJECT_DIR, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "prefect", *args], cwd=PROJECT_DIR, env=env, capture_output=True, text=True
+    )
     if result.returncode != 0:
         raise RuntimeError(f"`prefect {' '.join(args)}` failed:\n{result.stdout}{result.stderr}")
     return result.stdout

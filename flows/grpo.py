@@ -28,12 +28,19 @@ from flows.stages import (
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_actor"]]
 
 
-@flow(name="grpo", task_runner=ray_task_runner(), persist_result=False,
-      validate_parameters=True, flow_run_name=flow_run_name)
+@flow(
+    name="grpo",
+    task_runner=ray_task_runner(),
+    persist_result=False,
+    validate_parameters=True,
+    flow_run_name=flow_run_name,
+)
 def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
     algorithm = config.algorithm.model_dump()
+    # the numbered comments line up with the steps of the module docstring
+    # fmt: off
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
@@ -45,4 +52,5 @@ def grpo(config: RLConfig) -> dict:
                 result = update_actor.submit(actor, batch, step).result()                               # 4
                 run.kl_ctrl_state = result.pop("kl_ctrl_state")
                 metrics.update(result)
+    # fmt: on
     return run.last_metrics

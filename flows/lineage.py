@@ -90,12 +90,12 @@ class RunRecord:
     run_name: str
     algorithm: str
     lineage: str | None
-    model_uri: str                  # what the run started from, pinned (models:/name/3, runs:/..., or a path)
-    model_dir: str                  # local folder holding that model and its tokenizer
+    model_uri: str  # what the run started from, pinned (models:/name/3, runs:/..., or a path)
+    model_dir: str  # local folder holding that model and its tokenizer
     mlflow_run_id: str
     prefect_flow_run_id: str | None
-    parent_run_id: str | None = None    # the lineage's previous finished run
-    data_cursor: dict | None = None     # where the parent's data loader stopped
+    parent_run_id: str | None = None  # the lineage's previous finished run
+    data_cursor: dict | None = None  # where the parent's data loader stopped
 
     @classmethod
     def read(cls, root: str) -> "RunRecord | None":
@@ -132,8 +132,12 @@ def start_model(config: RLConfig, client, cache_root: str) -> tuple[str, str]:
         if champion is not None:
             uri = f"models:/{name}/{champion.version}"
             return uri, download_model(uri, client, cache_root)
-        logger.info("lineage %s has no %s yet: starting from model.path=%s", config.trainer.lineage,
-                    config.trainer.promotion_alias, config.model.path)
+        logger.info(
+            "lineage %s has no %s yet: starting from model.path=%s",
+            config.trainer.lineage,
+            config.trainer.promotion_alias,
+            config.model.path,
+        )
     path = config.model.path
     if MODEL_REFERENCE.match(path):
         uri = pin_reference(path, client)
@@ -173,19 +177,22 @@ def pin_reference(uri: str, client) -> str:
     if name not in models:
         raise ModelReferenceError(
             f"model.path={uri}: no registered model {name!r} in MLflow ({_describe_models(models)}). Train and "
-            "register it first (e.g. run the lineage that publishes it), or point model.path at a folder.")
+            "register it first (e.g. run the lineage that publishes it), or point model.path at a folder."
+        )
     if alias:
         found = champion_version(client, name, alias)
         if found is None:
             raise ModelReferenceError(
                 f"model.path={uri}: {name!r} has no alias {alias!r} ({_describe_models({name: models[name]})}); "
-                "no version of it has been promoted yet")
+                "no version of it has been promoted yet"
+            )
         return f"models:/{name}/{found.version}"
     try:
         client.get_model_version(name, version)
     except MlflowException:
-        raise ModelReferenceError(f"model.path={uri}: {name!r} has no version {version} "
-                                  f"({_describe_models({name: models[name]})})") from None
+        raise ModelReferenceError(
+            f"model.path={uri}: {name!r} has no version {version} ({_describe_models({name: models[name]})})"
+        ) from None
     return uri
 
 
@@ -238,9 +245,12 @@ def download_model(uri: str, client, cache_root: str) -> str:
 
 def lineage_parent(client, experiment_id: str, lineage: str):
     """The lineage's most recent finished MLflow run (its data cursor is where the next run continues)."""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`rlflow.lineage` = '{lineage}' "
-                              "and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
-                              max_results=1)
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`rlflow.lineage` = '{lineage}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     return runs[0] if runs else None
 
 
@@ -252,8 +262,10 @@ def continue_data_cursor(loader, cursor: dict) -> str:
     rows = len(loader.rows)
     if cursor.get("num_rows") != rows:
         loader.load_state_dict({**loader.state_dict(), "epoch": int(cursor["epoch"]) + 1, "position": 0})
-        return (f"the dataset changed ({cursor.get('num_rows')} -> {rows} rows): starting epoch "
-                f"{loader.epoch} at its first batch")
+        return (
+            f"the dataset changed ({cursor.get('num_rows')} -> {rows} rows): starting epoch "
+            f"{loader.epoch} at its first batch"
+        )
     consumed = int(cursor["position"]) * int(cursor["batch_size"])
     position, epoch = consumed // loader.batch_size, int(cursor["epoch"])
     if position >= len(loader):
@@ -263,16 +275,27 @@ def continue_data_cursor(loader, cursor: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- promotion
-def promote(client, name: str, version: str, alias: str, score: float, baseline: float | None, tolerance: float,
-            baseline_label: str) -> dict:
+def promote(
+    client,
+    name: str,
+    version: str,
+    alias: str,
+    score: float,
+    baseline: float | None,
+    tolerance: float,
+    baseline_label: str,
+) -> dict:
     """Move ``alias`` to ``version`` unless ``score`` is worse than ``baseline`` by more than ``tolerance``.
 
     Tags the version with its score and the decision (``rejected`` holds both scores). Returns the decision."""
     client.set_model_version_tag(name, version, "rlflow.val_score", f"{score:.6g}")
     if baseline is None or score >= baseline - tolerance:
         client.set_registered_model_alias(name, alias, version)
-        reason = (f"val/score/mean {score:.4g} >= {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
-                  if baseline is not None else f"val/score/mean {score:.4g}; first version")
+        reason = (
+            f"val/score/mean {score:.4g} >= {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
+            if baseline is not None
+            else f"val/score/mean {score:.4g}; first version"
+        )
         client.set_model_version_tag(name, version, "rlflow.promoted", reason)
         return {"promoted": True, "reason": reason}
     reason = f"val/score/mean {score:.4g} < {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
@@ -319,14 +342,22 @@ def check_restart_budget(max_restarts: int) -> int:
         raise RestartBudgetExhausted(
             f"this flow run crashed {crashes} times; automatic restarts are capped at trainer.max_crash_restarts="
             f"{max_restarts}. Find the cause in the logs of the crashed attempts, then start it again (Retry in the "
-            "Prefect UI gives it a new restart budget): it resumes from its newest checkpoint.")
+            "Prefect UI gives it a new restart budget): it resumes from its newest checkpoint."
+        )
     return crashes
 
 
 def summary_markdown(record: RunRecord, result: dict) -> str:
-    lines = [f"# {record.run_name}", "", "| | |", "|---|---|",
-             f"| lineage | {record.lineage or '-'} |", f"| started from | `{record.model_uri}` |",
-             f"| parent run | {record.parent_run_id or '-'} |", f"| MLflow run | {record.mlflow_run_id} |"]
+    lines = [
+        f"# {record.run_name}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| lineage | {record.lineage or '-'} |",
+        f"| started from | `{record.model_uri}` |",
+        f"| parent run | {record.parent_run_id or '-'} |",
+        f"| MLflow run | {record.mlflow_run_id} |",
+    ]
     for key in ("steps", "val/score/mean", "model_uri", "model_version", "decision", "data_epoch"):
         if key in result:
             lines.append(f"| {key} | {result[key]} |")

@@ -31,8 +31,7 @@ CRITICAL_PATH = [["gen"], ["reward", "ref"], ["pairs"], ["update_actor"]]
 
 
 @stage("make_preference_pairs", IDEMPOTENT, timing="pairs")
-def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float,
-                     step: int) -> DataProto:
+def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, beta: float, step: int) -> DataProto:
     """Merge the reward and reference columns into the batch, then pair it (``make_preference_pairs``)."""
     for part in parts:
         batch.union(part)
@@ -42,13 +41,20 @@ def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, 
     return pairs
 
 
-@flow(name="online_dpo", task_runner=ray_task_runner(), persist_result=False,
-      validate_parameters=True, flow_run_name=flow_run_name)
+@flow(
+    name="online_dpo",
+    task_runner=ray_task_runner(),
+    persist_result=False,
+    validate_parameters=True,
+    flow_run_name=flow_run_name,
+)
 def online_dpo(config: RLConfig) -> dict:
     if config.rollout.n < 2:
         raise ValueError("online DPO pairs responses of the same prompt: set rollout.n >= 2")
     run = start_run(config, "online_dpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
+    # the numbered comments line up with the steps of the module docstring
+    # fmt: off
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
@@ -57,4 +63,5 @@ def online_dpo(config: RLConfig) -> dict:
                 pairs = preference_pairs.submit(gen, parts, config.trainer.n_workers,               # 3
                                                 config.algorithm.dpo_beta, step)
                 metrics.update(update_actor_dpo.submit(actor, pairs, step).result())                # 4
+    # fmt: on
     return run.last_metrics

@@ -30,15 +30,24 @@ from flows.stages import (
 CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], ["update_actor", "update_critic"]]
 
 
-@flow(name="ppo", task_runner=ray_task_runner(), persist_result=False,
-      validate_parameters=True, flow_run_name=flow_run_name)
+@flow(
+    name="ppo",
+    task_runner=ray_task_runner(),
+    persist_result=False,
+    validate_parameters=True,
+    flow_run_name=flow_run_name,
+)
 def ppo(config: RLConfig) -> dict:
     if config.algorithm.adv_estimator != "gae":
-        raise ValueError("the ppo flow estimates advantages with a critic: set algorithm.adv_estimator=gae "
-                         "(or use the grpo flow for critic-free estimators)")
+        raise ValueError(
+            "the ppo flow estimates advantages with a critic: set algorithm.adv_estimator=gae "
+            "(or use the grpo flow for critic-free estimators)"
+        )
     run = start_run(config, "ppo", roles=("actor", "ref", "critic", "reward"))
     actor, ref, critic, reward = (run.groups[k] for k in ("actor", "ref", "critic", "reward"))
     algorithm = config.algorithm.model_dump()
+    # the numbered comments line up with the steps of the module docstring
+    # fmt: off
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
@@ -51,4 +60,5 @@ def ppo(config: RLConfig) -> dict:
                 run.kl_ctrl_state = result.pop("kl_ctrl_state")
                 metrics.update(critic_result.result())
                 metrics.update(result)
+    # fmt: on
     return run.last_metrics

@@ -32,15 +32,15 @@ def apply_service_env(urls: Mapping[str, Any]) -> None:
         sys.modules["mlflow"].set_tracking_uri(urls[MLFLOW_TRACKING_URI])
 
 
-
 def use_running_services() -> None:
     """Point this process at the servers `rlflow server up` started, unless the environment already names some."""
     if os.environ.get(PREFECT_API_URL) and os.environ.get(MLFLOW_TRACKING_URI):
         return
     status = service_status(ServiceConfig())
     if all(s.get("healthy") for s in status.values()) and status:
-        apply_service_env({PREFECT_API_URL: status["prefect"]["url"] + "/api",
-                           MLFLOW_TRACKING_URI: status["mlflow"]["url"]})
+        apply_service_env(
+            {PREFECT_API_URL: status["prefect"]["url"] + "/api", MLFLOW_TRACKING_URI: status["mlflow"]["url"]}
+        )
 
 
 def _fix_hint() -> str:
@@ -67,14 +67,16 @@ def require_prefect_api() -> str:
             "temporary server on the same SQLite file, task runs would not show up beside their flow run, and "
             "the server would stop with the process, leaving no UI to follow the run. To fix it, "
             f"{_fix_hint()} (or `export PREFECT_API_URL=http://127.0.0.1:4200/api` for a Prefect server you "
-            "already run).")
+            "already run)."
+        )
     host = urllib.parse.urlsplit(url).hostname or ""
     if host.endswith("prefect.cloud"):
         return url  # Prefect Cloud: this check is for self-hosted servers
     if not http_ok(url.rstrip("/") + "/health"):
         raise ServiceError(
             f"PREFECT_API_URL={url} does not answer at {url.rstrip('/')}/health. Start the server: "
-            f"{_fix_hint()}; `rlflow server status` shows what runs.")
+            f"{_fix_hint()}; `rlflow server status` shows what runs."
+        )
     return url
 
 
@@ -92,17 +94,24 @@ def require_mlflow_tracking() -> str:
         raise ServiceError(
             "MLFLOW_TRACKING_URI is not set, so MLflow would write to ./mlflow.db relative to whichever directory "
             f"each process runs in. To fix it, {_fix_hint()} (or export MLFLOW_TRACKING_URI=http://host:port, or "
-            "sqlite:////absolute/path/mlflow.db for a single process).")
+            "sqlite:////absolute/path/mlflow.db for a single process)."
+        )
     uri = _resolve_tracking_uri()
     scheme = urllib.parse.urlsplit(uri).scheme
     if scheme in ("http", "https"):
         if not http_ok(uri.rstrip("/") + "/health"):
-            raise ServiceError(f"MLFLOW_TRACKING_URI={uri} does not answer at {uri.rstrip('/')}/health. Start "
-                               f"the server: {_fix_hint()}; `rlflow server status` shows what runs.")
+            raise ServiceError(
+                f"MLFLOW_TRACKING_URI={uri} does not answer at {uri.rstrip('/')}/health. Start "
+                f"the server: {_fix_hint()}; `rlflow server status` shows what runs."
+            )
     elif scheme == "sqlite" and not uri.startswith("sqlite:////"):
-        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a relative SQLite path (it depends on each process's "
-                           "working directory): use sqlite:////absolute/path/mlflow.db, or an MLflow server.")
+        raise ServiceError(
+            f"MLFLOW_TRACKING_URI={uri} is a relative SQLite path (it depends on each process's "
+            "working directory): use sqlite:////absolute/path/mlflow.db, or an MLflow server."
+        )
     elif scheme in ("", "file"):
-        raise ServiceError(f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses. {_fix_hint()} "
-                           "(or use sqlite:////absolute/path/mlflow.db).")
+        raise ServiceError(
+            f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses. {_fix_hint()} "
+            "(or use sqlite:////absolute/path/mlflow.db)."
+        )
     return uri

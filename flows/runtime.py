@@ -72,8 +72,15 @@ class StepFailed(RuntimeError):
     """A step failed with every worker alive (a bug or bad data, which a restart would repeat)."""
 
 
-def build_group(cls, n: int, *, use_gpu: bool, cpus_per_worker: float = 1.0, timeout: tuple[float, float] | None = None,
-                **init_kwargs) -> RayWorkerGroup:
+def build_group(
+    cls,
+    n: int,
+    *,
+    use_gpu: bool,
+    cpus_per_worker: float = 1.0,
+    timeout: tuple[float, float] | None = None,
+    **init_kwargs,
+) -> RayWorkerGroup:
     pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
     worker_cls = RayClassWithInitArgs(cls=cls, **init_kwargs)
     if env := storage_env():  # workers write checkpoints straight to the store
@@ -97,8 +104,13 @@ def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
         return load_prompt_dataset(files, prompt_key=config.data.prompt_key, **limit)
     task_cfg = config.data.task
     data_dir = f"{config.trainer.runs_dir.rstrip('/')}/_data/{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}"
-    paths = ensure_addition_dataset(data_dir, num_train=task_cfg.num_train, num_val=task_cfg.num_val,
-                                    max_digits=task_cfg.max_digits, seed=task_cfg.seed)
+    paths = ensure_addition_dataset(
+        data_dir,
+        num_train=task_cfg.num_train,
+        num_val=task_cfg.num_val,
+        max_digits=task_cfg.max_digits,
+        seed=task_cfg.seed,
+    )
     return load_prompt_dataset(paths[split], prompt_key="prompt", **limit)
 
 
@@ -144,19 +156,29 @@ class Run:
         epoch = self.loader.epoch
         rows = self.loader.next_batch()
         if self.loader.epoch != epoch:
-            get_run_logger().warning("the training data is exhausted after epoch %d: starting epoch %d",
-                                     epoch, self.loader.epoch)
+            get_run_logger().warning(
+                "the training data is exhausted after epoch %d: starting epoch %d", epoch, self.loader.epoch
+            )
         return rows
 
     def next_prompts(self):
         rows = self.next_rows()
         data = self.config.data
-        return prompt_batch(rows, self.tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                            max_prompt_length=data.max_prompt_length)
+        return prompt_batch(
+            rows,
+            self.tokenizer,
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            max_prompt_length=data.max_prompt_length,
+        )
 
     def next_sft_batch(self):
-        return sft_batch(self.next_rows(), self.tokenizer, prompt_key=self.config.data.prompt_key,
-                         response_key=self.config.data.response_key)
+        return sft_batch(
+            self.next_rows(),
+            self.tokenizer,
+            prompt_key=self.config.data.prompt_key,
+            response_key=self.config.data.response_key,
+        )
 
     # ------------------------------------------------------------------------------------------ per step
     @contextmanager
@@ -238,8 +260,9 @@ class Run:
     # ------------------------------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
         rows = self.val_rows[: self.config.data.val_batch_size or len(self.val_rows)]
-        prompts = prompt_batch(rows, self.tokenizer, prompt_key=self.config.data.prompt_key,
-                               answer_key=self.config.data.answer_key)
+        prompts = prompt_batch(
+            rows, self.tokenizer, prompt_key=self.config.data.prompt_key, answer_key=self.config.data.answer_key
+        )
         out = validate.submit(self.groups["actor"], self.groups["reward"], prompts, step).result()
         scores = out.non_tensor_batch["score"].astype(float)
         metrics = {"val/score/mean": float(np.mean(scores)), "timing_s/validate": out.meta_info["timing_s/validate"]}
@@ -248,8 +271,9 @@ class Run:
             metrics[f"val/{source or 'default'}/score/mean"] = float(np.mean(scores[mask]))
         responses = decode_responses(out, self.tokenizer)
         columns = zip(out.non_tensor_batch["raw_prompt"], responses, out.non_tensor_batch["ground_truth"], scores)
-        samples = [{"step": step, "prompt": p, "response": r, "ground_truth": g, "score": float(s)}
-                   for p, r, g, s in columns][: self.config.trainer.log_samples]
+        samples = [
+            {"step": step, "prompt": p, "response": r, "ground_truth": g, "score": float(s)} for p, r, g, s in columns
+        ][: self.config.trainer.log_samples]
         if samples:
             self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
         self.tracker.log_metrics(metrics, step)
@@ -258,13 +282,19 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
-        state = {"step": step, "algorithm": self.algorithm, "loader": self.loader.state_dict(),
-                 "kl_ctrl_state": self.kl_ctrl_state, "mlflow_run_id": self.tracker.run_id,
-                 "world_size": self.config.trainer.n_workers, "config": self.config.model_dump(mode="json")}
+        state = {
+            "step": step,
+            "algorithm": self.algorithm,
+            "loader": self.loader.state_dict(),
+            "kl_ctrl_state": self.kl_ctrl_state,
+            "mlflow_run_id": self.tracker.run_id,
+            "world_size": self.config.trainer.n_workers,
+            "config": self.config.model_dump(mode="json"),
+        }
         roles = {name: group for name, group in self.groups.items() if name in ("actor", "critic", "reward")}
-        path, manifest = save_checkpoint.submit(self.checkpoint_root, step, roles, state,
-                                                self.config.trainer.keep_last_checkpoints,
-                                                self.last_checkpoint).result()
+        path, manifest = save_checkpoint.submit(
+            self.checkpoint_root, step, roles, state, self.config.trainer.keep_last_checkpoints, self.last_checkpoint
+        ).result()
         self.last_checkpoint = path
         publish_checkpoint_artifact(self.config.trainer.run_name, step, path, self.last_metrics)
         self.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
@@ -279,8 +309,13 @@ class Run:
         if total not in self.val_scores:  # an attempt that only finishes publishing
             self.validate(total)
         cursor = self.loader.state_dict()
-        result = {"run_name": self.config.trainer.run_name, "steps": total, "val/score/mean": self.val_scores[total],
-                  "data_epoch": cursor["epoch"], "data_cursor": cursor}
+        result = {
+            "run_name": self.config.trainer.run_name,
+            "steps": total,
+            "val/score/mean": self.val_scores[total],
+            "data_epoch": cursor["epoch"],
+            "data_cursor": cursor,
+        }
         self.tracker.set_tags({"rlflow.data_cursor": json.dumps(cursor)})
         path = f"{self.root}/final_model"
         self.groups["actor"].save_model(path)
@@ -295,9 +330,11 @@ class Run:
         if self.config.trainer.lineage and "model_version" in result:
             result["decision"] = self.promote(result["model_version"], result["val/score/mean"])
         lineage.write_result(self.root, result)
-        create_markdown_artifact(key=f"{artifact_key(self.config.trainer.run_name)}-result",
-                                 markdown=lineage.summary_markdown(self.record, result),
-                                 description=f"result of {self.config.trainer.run_name}")
+        create_markdown_artifact(
+            key=f"{artifact_key(self.config.trainer.run_name)}-result",
+            markdown=lineage.summary_markdown(self.record, result),
+            description=f"result of {self.config.trainer.run_name}",
+        )
         return result
 
     def promote(self, version: str, score: float) -> str:
@@ -310,11 +347,16 @@ class Run:
             history = client.get_metric_history(self.tracker.run_id, "val/score/mean")
             baseline = next((m.value for m in history if m.step == 0), None)
             label = f"the start model ({self.record.model_uri})"
-        decision = lineage.promote(client, name, version, trainer.promotion_alias, score, baseline,
-                                   trainer.promotion_tolerance, label)
+        decision = lineage.promote(
+            client, name, version, trainer.promotion_alias, score, baseline, trainer.promotion_tolerance, label
+        )
         verdict = f"promoted to @{trainer.promotion_alias}" if decision["promoted"] else "rejected"
-        self.tracker.set_tags({"rlflow.promotion": f"v{version} {verdict}: {decision['reason']}",
-                               "rlflow.promoted": str(decision["promoted"]).lower()})
+        self.tracker.set_tags(
+            {
+                "rlflow.promotion": f"v{version} {verdict}: {decision['reason']}",
+                "rlflow.promoted": str(decision["promoted"]).lower(),
+            }
+        )
         get_run_logger().info("%s v%s %s: %s", name, version, verdict, decision["reason"])
         return f"v{version} {verdict}: {decision['reason']}"
 
@@ -347,9 +389,11 @@ class Run:
         budget = self.config.trainer.max_restarts
         if len(self.faults) > budget:
             listed = "\n".join(f"  {i}. {fault}" for i, fault in enumerate(self.faults, 1))
-            raise FaultBudgetExhausted(f"run {self.config.trainer.run_name!r} hit {len(self.faults)} worker "
-                                       f"faults, more than trainer.max_restarts={budget}:\n{listed}",
-                                       self.faults) from error
+            raise FaultBudgetExhausted(
+                f"run {self.config.trainer.run_name!r} hit {len(self.faults)} worker "
+                f"faults, more than trainer.max_restarts={budget}:\n{listed}",
+                self.faults,
+            ) from error
         log = get_run_logger()
         log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(self.faults), budget)
         checkpoint = find_latest_checkpoint(self.checkpoint_root, required=["trainer_state.json"])
@@ -370,8 +414,13 @@ class Run:
         self.tracker.log_metrics({"fault/restarts": len(self.faults), "fault/recovery_s": seconds}, step)
         if self.progress:
             self.progress.update(self.start_step - 1, restarts=len(self.faults))
-        log.warning("recovered in %.1f s: rebuilt %s, resuming at step %d from %s", seconds, sorted(rebuild),
-                    self.start_step, checkpoint[0] if checkpoint else "the start model")
+        log.warning(
+            "recovered in %.1f s: rebuilt %s, resuming at step %d from %s",
+            seconds,
+            sorted(rebuild),
+            self.start_step,
+            checkpoint[0] if checkpoint else "the start model",
+        )
 
     def _restart_group(self, name: str) -> None:
         """New actors for one group, waiting up to ``trainer.capacity_timeout_s`` for room (a lost node)."""
@@ -384,8 +433,12 @@ class Run:
             except PlacementError as error:
                 if time.monotonic() > deadline:
                     raise
-                get_run_logger().warning("waiting for capacity to restart %s (up to trainer.capacity_timeout_s="
-                                         "%.0f s): %s", name, self.config.trainer.capacity_timeout_s, error)
+                get_run_logger().warning(
+                    "waiting for capacity to restart %s (up to trainer.capacity_timeout_s=%.0f s): %s",
+                    name,
+                    self.config.trainer.capacity_timeout_s,
+                    error,
+                )
         group.init_model()
 
     def close(self, status: str) -> None:
@@ -405,8 +458,14 @@ class TerminalProgress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), TextColumn("{task.fields[summary]}"), console=Console(stderr=True))
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[summary]}"),
+            console=Console(stderr=True),
+        )
         self.task = self.bar.add_task(description, total=total, completed=completed, summary="")
         self.bar.start()
 
@@ -434,8 +493,9 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     check_runs_dir_writable(config)
     reap_orphaned_ray_agents()
     _flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
-    config = config.model_copy(update={"trainer": config.trainer.model_copy(
-        update={"run_name": lineage.run_name(config, algorithm)})})
+    config = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"run_name": lineage.run_name(config, algorithm)})}
+    )
     name = config.trainer.run_name
     root = runs_root(config)
     crashes = lineage.check_restart_budget(config.trainer.max_crash_restarts)
@@ -443,20 +503,27 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     record = lineage.RunRecord.read(root)
     same_flow_run = record is not None and record.prefect_flow_run_id == links.get("prefect.flow_run_id")
     if record and config.trainer.resume == "never" and not same_flow_run:
-        raise RuntimeError(f"run {name!r} already exists under {root}; use trainer.resume=auto to continue it, or "
-                           "choose another trainer.run_name")
+        raise RuntimeError(
+            f"run {name!r} already exists under {root}; use trainer.resume=auto to continue it, or "
+            "choose another trainer.run_name"
+        )
     # resume=never means "do not continue another run": a later attempt of this flow run still resumes its own.
     resume = resolve_resume(f"{root}/checkpoints", "auto" if same_flow_run else config.trainer.resume)
     state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
     if state:
         check_checkpoint_fits(resume[0], state, config, algorithm)
-    if state and state["step"] >= config.trainer.total_steps and lineage.read_result(root) \
-            and not config.trainer.republish:
+    if (
+        state
+        and state["step"] >= config.trainer.total_steps
+        and lineage.read_result(root)
+        and not config.trainer.republish
+    ):
         raise lineage.RunAlreadyComplete(
             f"run {name!r} already trained its {config.trainer.total_steps} steps and published its result "
             f"({root}/result.json): nothing to do. Raise trainer.total_steps to train it further, set "
             "trainer.republish=true to publish it again, or start a new run (another trainer.run_name, or a "
-            "lineage's next run).")
+            "lineage's next run)."
+        )
 
     if record is None:  # nothing is written before the start model and the data have checked out
         model_uri, model_dir = _start_model(config)
@@ -467,23 +534,37 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
 
     experiment = config.trainer.lineage or config.trainer.project_name
-    tags = {"algorithm": algorithm, **links, **({"rlflow.lineage": config.trainer.lineage}
-                                                  if config.trainer.lineage else {})}
+    tags = {
+        "algorithm": algorithm,
+        **links,
+        **({"rlflow.lineage": config.trainer.lineage} if config.trainer.lineage else {}),
+    }
     if record is None:
-        tracker, record = _new_record(config, algorithm, experiment, tags, links.get("prefect.flow_run_id"),
-                                      model_uri, model_dir)
+        tracker, record = _new_record(
+            config, algorithm, experiment, tags, links.get("prefect.flow_run_id"), model_uri, model_dir
+        )
     else:
         tracker = Tracker(experiment, name, run_id=record.mlflow_run_id, tags=tags)
     tracker.log_params(flatten(config))
     publish_mlflow_link(name, tracker.url)
 
-    loader = PromptDataLoader(train_rows, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle,
-                              seed=config.trainer.seed)
-    run = Run(config=config, algorithm=algorithm, root=root, tokenizer=tokenizer, loader=loader,
-              val_rows=val_rows, tracker=tracker, record=record)
+    loader = PromptDataLoader(
+        train_rows, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.trainer.seed
+    )
+    run = Run(
+        config=config,
+        algorithm=algorithm,
+        root=root,
+        tokenizer=tokenizer,
+        loader=loader,
+        val_rows=val_rows,
+        tracker=tracker,
+        record=record,
+    )
     if record.data_cursor and not resume:
-        get_run_logger().info("lineage %s: %s", config.trainer.lineage,
-                              lineage.continue_data_cursor(loader, record.data_cursor))
+        get_run_logger().info(
+            "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
+        )
     run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
     run.groups = _build_groups(config, roles, record.model_dir)
     if resume:
@@ -492,9 +573,16 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     if sys.stderr.isatty():
         run.terminal = TerminalProgress(f"{algorithm} {name}", config.trainer.total_steps, run.start_step - 1)
     get_run_logger().info(
-        "%s run %r from %s: steps %d..%d, MLflow %s%s%s", algorithm, name, record.model_uri, run.start_step,
-        config.trainer.total_steps, tracker.url, f" (resumed from {resume[0]})" if resume else "",
-        f" (attempt after {crashes} crash(es))" if crashes else "")
+        "%s run %r from %s: steps %d..%d, MLflow %s%s%s",
+        algorithm,
+        name,
+        record.model_uri,
+        run.start_step,
+        config.trainer.total_steps,
+        tracker.url,
+        f" (resumed from {resume[0]})" if resume else "",
+        f" (attempt after {crashes} crash(es))" if crashes else "",
+    )
     return run
 
 
@@ -509,15 +597,18 @@ def check_checkpoint_fits(path: str, state: dict, config: RLConfig, algorithm: s
     if state.get("algorithm") != algorithm:
         problems.append(f"it is a {state.get('algorithm')} checkpoint and this is the {algorithm} flow")
     if state.get("world_size") not in (None, config.trainer.n_workers):
-        problems.append(f"it was written by {state['world_size']} actor workers and this run has "
-                        f"trainer.n_workers={config.trainer.n_workers}")
+        problems.append(
+            f"it was written by {state['world_size']} actor workers and this run has "
+            f"trainer.n_workers={config.trainer.n_workers}"
+        )
     saved_model = saved.get("model", {}).get("path")
     if saved_model not in (None, config.model.path):
         problems.append(f"it trains model.path={saved_model!r} and this run names {config.model.path!r}")
     if problems:
         raise CheckpointMismatch(
             f"cannot resume {path}: {'; '.join(problems)}. Fix: use the settings the run was started with, or start "
-            "a new run (another trainer.run_name, or trainer.resume=never).")
+            "a new run (another trainer.run_name, or trainer.resume=never)."
+        )
 
 
 def check_runs_dir_writable(config: RLConfig) -> None:
@@ -530,10 +621,12 @@ def check_runs_dir_writable(config: RLConfig) -> None:
         fs, path = fsspec.core.url_to_fs(probe)
         fs.rm(path)
     except Exception as error:  # PermissionError, botocore's ClientError, NoCredentialsError...
-        raise PermissionError(f"trainer.runs_dir={runs!r} cannot be written ({type(error).__name__}: {error}). "
-                              "Checkpoints, the run record and the final model go there. Fix: pick a folder you can "
-                              "write (or fix its permissions), or for s3:// check the bucket exists and the "
-                              "credentials (AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible store).") from error
+        raise PermissionError(
+            f"trainer.runs_dir={runs!r} cannot be written ({type(error).__name__}: {error}). "
+            "Checkpoints, the run record and the final model go there. Fix: pick a folder you can "
+            "write (or fix its permissions), or for s3:// check the bucket exists and the "
+            "credentials (AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible store)."
+        ) from error
 
 
 def _flow_task_runner():
@@ -544,8 +637,10 @@ def _flow_task_runner():
 
     runner = FlowRunContext.get().task_runner
     if not isinstance(runner, WarmRayTaskRunner):
-        raise TypeError(f"training flows run on flows.runtime.ray_task_runner(), not {type(runner).__name__}: drop "
-                        "the task_runner of `flow.with_options(...)`")
+        raise TypeError(
+            f"training flows run on flows.runtime.ray_task_runner(), not {type(runner).__name__}: drop "
+            "the task_runner of `flow.with_options(...)`"
+        )
     return runner
 
 
@@ -556,14 +651,23 @@ def _start_model(config: RLConfig) -> tuple[str, str]:
 
     model_uri, model_dir = lineage.start_model(config, MlflowClient(), lineage.cache_root(config))
     if model_dir.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model_dir)):
-        raise FileNotFoundError(f"model.path={model_dir!r}: no such folder. Fix: name a folder that holds the model's "
-                                "config.json, weights and tokenizer, a Hugging Face hub name, `tiny`, or an MLflow "
-                                "reference (models:/<name>@<alias>)")
+        raise FileNotFoundError(
+            f"model.path={model_dir!r}: no such folder. Fix: name a folder that holds the model's "
+            "config.json, weights and tokenizer, a Hugging Face hub name, `tiny`, or an MLflow "
+            "reference (models:/<name>@<alias>)"
+        )
     return model_uri, model_dir if is_remote(model_dir) else resolve_model_path(model_dir)
 
 
-def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict, flow_run_id: str | None,
-                model_uri: str, model_dir: str) -> tuple[Tracker, lineage.RunRecord]:
+def _new_record(
+    config: RLConfig,
+    algorithm: str,
+    experiment: str,
+    tags: dict,
+    flow_run_id: str | None,
+    model_uri: str,
+    model_dir: str,
+) -> tuple[Tracker, lineage.RunRecord]:
     """A run's first attempt: pin its start model (and, in a lineage, its parent run and data cursor), then create
     its MLflow run and write its record."""
     from mlflow.tracking import MlflowClient
@@ -573,16 +677,26 @@ def _new_record(config: RLConfig, algorithm: str, experiment: str, tags: dict, f
     if config.trainer.lineage:
         found = client.get_experiment_by_name(experiment)
         parent = lineage.lineage_parent(client, found.experiment_id, config.trainer.lineage) if found else None
-    cursor = json.loads(parent.data.tags["rlflow.data_cursor"]) if parent and "rlflow.data_cursor" in \
-        parent.data.tags else None
+    cursor = (
+        json.loads(parent.data.tags["rlflow.data_cursor"])
+        if parent and "rlflow.data_cursor" in parent.data.tags
+        else None
+    )
     lineage_tags = {"rlflow.start_model": model_uri}
     if parent:
         lineage_tags["rlflow.parent_run_id"] = parent.info.run_id
     tracker = Tracker(experiment, config.trainer.run_name, tags={**tags, **lineage_tags})
-    record = lineage.RunRecord(run_name=config.trainer.run_name, algorithm=algorithm, lineage=config.trainer.lineage,
-                               model_uri=model_uri, model_dir=model_dir, mlflow_run_id=tracker.run_id,
-                               prefect_flow_run_id=flow_run_id, parent_run_id=parent.info.run_id if parent else None,
-                               data_cursor=cursor)
+    record = lineage.RunRecord(
+        run_name=config.trainer.run_name,
+        algorithm=algorithm,
+        lineage=config.trainer.lineage,
+        model_uri=model_uri,
+        model_dir=model_dir,
+        mlflow_run_id=tracker.run_id,
+        prefect_flow_run_id=flow_run_id,
+        parent_run_id=parent.info.run_id if parent else None,
+        data_cursor=cursor,
+    )
     record.write(runs_root(config))
     return tracker, record
 
@@ -597,20 +711,40 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
     worker_config = config.worker_config().model_copy(update={"model": model})
     colocate_ref = trainer.colocate_ref and "actor" in roles
     plans = {
-        "actor": (ActorRolloutRefWorker, trainer.n_workers, {"use_gpu": use_gpu, "config": worker_config,
-                                                             "role": "actor_rollout_ref" if colocate_ref
-                                                             else "actor_rollout"}),
+        "actor": (
+            ActorRolloutRefWorker,
+            trainer.n_workers,
+            {
+                "use_gpu": use_gpu,
+                "config": worker_config,
+                "role": "actor_rollout_ref" if colocate_ref else "actor_rollout",
+            },
+        ),
         "ref": (ActorRolloutRefWorker, 1, {"use_gpu": use_gpu, "config": worker_config, "role": "ref"}),
-        "critic": (CriticWorker, trainer.n_workers, {"use_gpu": use_gpu, "config": config.critic, "model": model,
-                                                     "device": trainer.device, "seed": trainer.seed,
-                                                     "collective_timeout_s": trainer.collective_timeout_s}),
-        "reward": (RewardWorker, 1, {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward,
-                                     "tokenizer_path": model_path}),
+        "critic": (
+            CriticWorker,
+            trainer.n_workers,
+            {
+                "use_gpu": use_gpu,
+                "config": config.critic,
+                "model": model,
+                "device": trainer.device,
+                "seed": trainer.seed,
+                "collective_timeout_s": trainer.collective_timeout_s,
+            },
+        ),
+        "reward": (
+            RewardWorker,
+            1,
+            {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward, "tokenizer_path": model_path},
+        ),
     }
     wanted = [role for role in plans if role in roles and not (role == "ref" and colocate_ref)]
     with ThreadPoolExecutor(len(wanted)) as pool:
-        futures = {role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
-                   for role in wanted}
+        futures = {
+            role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
+            for role in wanted
+        }
     groups, errors = {}, []
     for role, future in futures.items():
         try:
@@ -663,16 +797,29 @@ def reap_orphaned_ray_agents() -> list[int]:
 
 
 def _summary(metrics: dict) -> str:
-    keys = ("critic/score/mean", "sft/loss", "actor/pg_loss", "actor/kl_loss", "val/score/mean", "timing_s/step",
-            "perf/orchestration_overhead_frac")
+    keys = (
+        "critic/score/mean",
+        "sft/loss",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "val/score/mean",
+        "timing_s/step",
+        "perf/orchestration_overhead_frac",
+    )
     return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
 
 
 def _service_env() -> dict[str, str]:
     """Environment every Ray worker (on every node) gets: where the services are, where the tiny model lives,
     how to reach the object store."""
-    return {**{k: os.environ[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
-               if k in os.environ}, **storage_env()}
+    return {
+        **{
+            k: os.environ[k]
+            for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
+            if k in os.environ
+        },
+        **storage_env(),
+    }
 
 
 def ray_task_runner():

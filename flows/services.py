@@ -64,8 +64,11 @@ class ServiceConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    state_dir: Path = Field(default_factory=_default_state_dir, validate_default=True,
-                            description="State folder (default .rlflow in the current directory, or $RLFLOW_HOME).")
+    state_dir: Path = Field(
+        default_factory=_default_state_dir,
+        validate_default=True,
+        description="State folder (default .rlflow in the current directory, or $RLFLOW_HOME).",
+    )
     host: str = Field("127.0.0.1", description="Interface both servers bind to; 0.0.0.0 exposes them to the network.")
     prefect_port: int = Field(4200, ge=1, le=65535)
     mlflow_port: int = Field(5000, ge=1, le=65535)
@@ -121,10 +124,29 @@ def _prefect_spec(config: ServiceConfig) -> _Spec:
     }
     # Background services (scheduler, late runs, cancellation clean-up, concurrency lease reaping) stay on: the
     # deployments' schedules and concurrency limits need them. With one worker they run inside the server process.
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", config.host,
-               "--port", str(config.prefect_port), "--analytics-off", "--no-prompt"]
-    return _Spec("prefect", config.prefect_port, "--prefect-port", url, f"{url}/api/health", command, env,
-                  config.state_dir / "logs" / "prefect.log")
+    command = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "server",
+        "start",
+        "--host",
+        config.host,
+        "--port",
+        str(config.prefect_port),
+        "--analytics-off",
+        "--no-prompt",
+    ]
+    return _Spec(
+        "prefect",
+        config.prefect_port,
+        "--prefect-port",
+        url,
+        f"{url}/api/health",
+        command,
+        env,
+        config.state_dir / "logs" / "prefect.log",
+    )
 
 
 def _mlflow_spec(config: ServiceConfig) -> _Spec:
@@ -134,18 +156,39 @@ def _mlflow_spec(config: ServiceConfig) -> _Spec:
     # clients upload/download artifacts and models over HTTP through the server. Any process that can reach the
     # URL can log (Ray workers, another working directory, a container), and no client-side path is stored in
     # the DB. With --default-artifact-root <dir> each client would write to <dir> on its own filesystem instead.
-    command = [sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-               "--serve-artifacts", "--artifacts-destination", str(root / "artifacts"),
-               "--host", config.host, "--port", str(config.mlflow_port), "--workers", str(config.mlflow_workers)]
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--serve-artifacts",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--host",
+        config.host,
+        "--port",
+        str(config.mlflow_port),
+        "--workers",
+        str(config.mlflow_workers),
+    ]
     env = {
         # The job runner (a huey consumer for GenAI judge jobs) is not used by RL training: one process fewer.
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "true",
     }
-    return _Spec("mlflow", config.mlflow_port, "--mlflow-port", url, f"{url}/health", command, env,
-                 config.state_dir / "logs" / "mlflow.log")
+    return _Spec(
+        "mlflow",
+        config.mlflow_port,
+        "--mlflow-port",
+        url,
+        f"{url}/health",
+        command,
+        env,
+        config.state_dir / "logs" / "mlflow.log",
+    )
 
 
 def _specs(config: ServiceConfig) -> dict[str, _Spec]:
@@ -172,7 +215,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return fields[0], int(fields[2])
 
 
@@ -235,8 +278,9 @@ def _check_port_free(host: str, spec: _Spec) -> None:
         try:
             sock.bind((host, spec.port))
         except socket.gaierror:
-            raise ServiceError(f"Cannot bind to host {host!r}: not an address of this machine "
-                               "(`rlflow server up --host`).") from None
+            raise ServiceError(
+                f"Cannot bind to host {host!r}: not an address of this machine (`rlflow server up --host`)."
+            ) from None
         except OSError as error:
             raise ServiceError(
                 f"Port {spec.port} on {host} is already in use by another process, so the {spec.name} server "
@@ -254,8 +298,15 @@ def _launch(spec: _Spec, cwd: Path) -> subprocess.Popen[bytes]:
         log.flush()
         # A new session: the server outlives this command and is not hit by the terminal's Ctrl-C; its pid is
         # also the id of its process group, which holds the uvicorn children that `down` must stop too.
-        return subprocess.Popen(spec.command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            spec.command,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -274,13 +325,16 @@ def _wait_healthy(specs: list[_Spec], procs: dict[str, subprocess.Popen[bytes]],
             if http_ok(spec.health_url, timeout=1.0):
                 del pending[name]
             elif (code := procs[name].poll()) is not None:
-                raise ServiceError(f"The {name} server exited with code {code} before answering {spec.health_url}. "
-                                   f"Last lines of {spec.log}:\n{_log_tail(spec.log)}")
+                raise ServiceError(
+                    f"The {name} server exited with code {code} before answering {spec.health_url}. "
+                    f"Last lines of {spec.log}:\n{_log_tail(spec.log)}"
+                )
         if pending and time.monotonic() > deadline:
             spec = next(iter(pending.values()))
             raise ServiceError(
                 f"The {spec.name} server did not answer {spec.health_url} within {timeout_s:g} s "
-                f"(ServiceConfig.startup_timeout_s). Last lines of {spec.log}:\n{_log_tail(spec.log)}")
+                f"(ServiceConfig.startup_timeout_s). Last lines of {spec.log}:\n{_log_tail(spec.log)}"
+            )
         if pending:
             time.sleep(0.25)
 
@@ -332,9 +386,11 @@ def _service_urls(config: ServiceConfig, record: Mapping[str, Any]) -> dict[str,
 
 
 def _write_env_file(urls: Mapping[str, Any]) -> None:
-    lines = ["# Written by `rlflow server up`; load with: source " + urls["env_file"],
-             f"export {PREFECT_API_URL}={urls[PREFECT_API_URL]}",
-             f"export {MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}"]
+    lines = [
+        "# Written by `rlflow server up`; load with: source " + urls["env_file"],
+        f"export {PREFECT_API_URL}={urls[PREFECT_API_URL]}",
+        f"export {MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}",
+    ]
     Path(urls["env_file"]).write_text("\n".join(lines) + "\n")
 
 
@@ -361,13 +417,16 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
             old = record.get(name)
             if old and _is_ours(old["pid"], name):
                 if old["url"] != spec.url:
-                    raise ServiceError(f"A {name} server from {config.state_dir} already runs at {old['url']}, "
-                                       f"not {spec.url}. Run `rlflow server down` first to change its address.")
+                    raise ServiceError(
+                        f"A {name} server from {config.state_dir} already runs at {old['url']}, "
+                        f"not {spec.url}. Run `rlflow server down` first to change its address."
+                    )
                 if http_ok(old["health_url"]):
                     logger.info("Reusing the %s server at %s (pid %s)", name, old["url"], old["pid"])
                     continue
-                logger.warning("The %s server (pid %s) does not answer %s; restarting it",
-                               name, old["pid"], old["health_url"])
+                logger.warning(
+                    "The %s server (pid %s) does not answer %s; restarting it", name, old["pid"], old["health_url"]
+                )
                 _stop_group(old["pid"], config.stop_grace_s)
             to_start.append(spec)
         for spec in to_start:  # check every port before starting anything
@@ -388,8 +447,14 @@ def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str,
     try:
         for spec in specs:
             procs[spec.name] = _launch(spec, cwd=config.state_dir)
-            record[spec.name] = {"pid": procs[spec.name].pid, "url": spec.url, "health_url": spec.health_url,
-                                 "port": spec.port, "log": str(spec.log), "command": spec.command}
+            record[spec.name] = {
+                "pid": procs[spec.name].pid,
+                "url": spec.url,
+                "health_url": spec.health_url,
+                "port": spec.port,
+                "log": str(spec.log),
+                "command": spec.command,
+            }
         _write_record(config, record)  # before waiting, so that `down` can clean up a start that hangs
         _wait_healthy(specs, procs, config.startup_timeout_s)
     except BaseException:
@@ -412,8 +477,9 @@ def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
         stopped = {}
         for name in SERVICES:
             entry = record.get(name)
-            stopped[name] = bool(entry) and _is_ours(entry["pid"], name) and _stop_group(entry["pid"],
-                                                                                         config.stop_grace_s)
+            stopped[name] = (
+                bool(entry) and _is_ours(entry["pid"], name) and _stop_group(entry["pid"], config.stop_grace_s)
+            )
         (config.state_dir / _SERVICES_FILE).unlink(missing_ok=True)
     return stopped
 

@@ -15,8 +15,13 @@ from flows.runtime import ray_task_runner, start_run
 from flows.stages import sft_step
 
 
-@flow(name="sft", task_runner=ray_task_runner(), persist_result=False,
-      validate_parameters=True, flow_run_name=flow_run_name)
+@flow(
+    name="sft",
+    task_runner=ray_task_runner(),
+    persist_result=False,
+    validate_parameters=True,
+    flow_run_name=flow_run_name,
+)
 def sft(config: RLConfig) -> dict:
     run = start_run(config, "sft", roles=("actor", "reward"))
     actor = run.groups["actor"]

@@ -66,16 +66,20 @@ def timed(name: str):
             batches = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, DataProto)]
             earlier = {k: v for batch in batches for k, v in batch.meta_info.items() if k.startswith("timing_s/")}
             return {**out, **earlier, key: seconds}
+
         return timed_stage
+
     return decorate
 
 
 def stage(name: str, policy: dict, timing: str | None = None):
     """Declare a stage task: Prefect task ``name`` with the retry ``policy`` (``IDEMPOTENT`` or ``STATEFUL``), its
     runs named ``<name>-step-<step>``, ``@timed(timing)`` when ``timing`` is given."""
+
     def decorate(fn):
         body = timed(timing)(fn) if timing else fn
         return task(name=name, task_run_name=f"{name}-step-{{step}}", **policy)(body)
+
     return decorate
 
 
@@ -108,8 +112,9 @@ def compute_values(critic, batch: DataProto, step: int) -> DataProto:
 
 
 @stage("compute_advantage", IDEMPOTENT, timing="adv")
-def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None,
-                      step: int) -> DataProto:
+def compute_advantage(
+    batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None, step: int
+) -> DataProto:
     """Merge the stage outputs into the batch and add advantages (a pure function of its inputs)."""
     for part in parts:
         batch.union(part)
@@ -119,9 +124,14 @@ def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
         if kl_ctrl_state:
             kl_ctrl.load_state_dict(kl_ctrl_state)
     batch, kl_metrics = compute_advantage_fn(
-        batch, algorithm["adv_estimator"], gamma=algorithm["gamma"], lam=algorithm["lam"],
-        norm_adv_by_std_in_grpo=algorithm["norm_adv_by_std_in_grpo"], kl_ctrl=kl_ctrl,
-        kl_penalty=algorithm["kl_penalty"])
+        batch,
+        algorithm["adv_estimator"],
+        gamma=algorithm["gamma"],
+        lam=algorithm["lam"],
+        norm_adv_by_std_in_grpo=algorithm["norm_adv_by_std_in_grpo"],
+        kl_ctrl=kl_ctrl,
+        kl_penalty=algorithm["kl_penalty"],
+    )
     batch.meta_info["data_metrics"] = {**compute_data_metrics(batch), **kl_metrics}
     batch.meta_info["kl_ctrl_state"] = kl_ctrl.state_dict() if kl_ctrl is not None else None
     return batch
@@ -131,8 +141,11 @@ def compute_advantage(batch: DataProto, parts: list[DataProto], algorithm: dict,
 def update_actor(actor, batch: DataProto, step: int) -> dict:
     """PPO/GRPO policy update. Returns the step's metrics (update, data, every stage's timing) and, under
     ``kl_ctrl_state``, the adaptive KL controller's state for the next step (the flow pops it)."""
-    return {**_mean_metrics(actor.update_actor(batch)), **batch.meta_info["data_metrics"],
-            "kl_ctrl_state": batch.meta_info.get("kl_ctrl_state")}
+    return {
+        **_mean_metrics(actor.update_actor(batch)),
+        **batch.meta_info["data_metrics"],
+        "kl_ctrl_state": batch.meta_info.get("kl_ctrl_state"),
+    }
 
 
 @stage("update_critic", STATEFUL, timing="update_critic")
@@ -162,8 +175,9 @@ def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
 
 
 @stage("save_checkpoint", IDEMPOTENT)
-def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep_last: int,
-                    previous: str | None) -> tuple[str, dict]:
+def save_checkpoint(
+    root: str, step: int, roles: dict, trainer_state: dict, keep_last: int, previous: str | None
+) -> tuple[str, dict]:
     """Workers write their state into ``<root>/step_<N>/<role>/``, then the manifest commits it (atomically).
     Retention runs only after the commit, so ``previous`` (the run's newest checkpoint) is intact whatever fails.
 
@@ -176,14 +190,16 @@ def save_checkpoint(root: str, step: int, roles: dict, trainer_state: dict, keep
         for role, group in roles.items():
             group.save_checkpoint(f"{step_dir}/{role}")
         write_json(f"{step_dir}/trainer_state.json", trainer_state)
-        manifest = commit_checkpoint(step_dir, {"step": step, "world_size": trainer_state["world_size"]},
-                                     required=["trainer_state.json"])
+        manifest = commit_checkpoint(
+            step_dir, {"step": step, "world_size": trainer_state["world_size"]}, required=["trainer_state.json"]
+        )
     except WorkerError as error:
         if error.actor_died:
             raise  # a lost or hung worker: the step is redone after a restart (Run.recover)
         cause = str(error.cause).strip().splitlines()[0] if str(error.cause).strip() else ""
-        raise CheckpointSaveError(step_dir, previous, f"rank {error.rank} failed in {error.method}: "
-                                  f"{type(error.cause).__name__}: {cause}") from error
+        raise CheckpointSaveError(
+            step_dir, previous, f"rank {error.rank} failed in {error.method}: {type(error.cause).__name__}: {cause}"
+        ) from error
     except Exception as error:  # OSError, botocore's EndpointConnectionError / ClientError, gcsfs's HttpError...
         raise CheckpointSaveError(step_dir, previous, f"{type(error).__name__}: {error}") from error
     apply_retention(root, keep_last)

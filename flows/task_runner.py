@@ -89,8 +89,14 @@ class TaskHost:
         APILogWorker.drain_all(timeout=10)
         EventsWorker.drain_all(timeout=10)
 
-    def run(self, *upstream_ray_obj_refs: Any, task: Task, context: dict[str, Any], settings: tuple[str, list],
-            **kwargs: Any) -> Any:
+    def run(
+        self,
+        *upstream_ray_obj_refs: Any,
+        task: Task,
+        context: dict[str, Any],
+        settings: tuple[str, list],
+        **kwargs: Any,
+    ) -> Any:
         from prefect.context import SyncClientContext
 
         cached = self._settings_context(*settings)
@@ -125,8 +131,12 @@ class TaskHost:
 class WarmRayTaskRunner(RayTaskRunner):
     """``RayTaskRunner`` whose tasks run in a long-lived ``TaskHost`` actor (see the module docstring)."""
 
-    def __init__(self, address: str | None = None, init_kwargs: dict[str, Any] | None = None,
-                 host_env: Callable[[], dict[str, str]] | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        init_kwargs: dict[str, Any] | None = None,
+        host_env: Callable[[], dict[str, str]] | None = None,
+    ):
         """``host_env``: the environment variables the task host gets, computed when it starts (in the flow's
         process, so they are that process's values then, not when the runner was built)."""
         super().__init__(address=address, init_kwargs=init_kwargs)
@@ -157,8 +167,9 @@ class WarmRayTaskRunner(RayTaskRunner):
         if self._host is not None:
             return
         if not ray.is_initialized():
-            self.logger.info("Connecting to the Ray cluster at %s" if address else "Starting a local Ray%s",
-                             address or "")
+            self.logger.info(
+                "Connecting to the Ray cluster at %s" if address else "Starting a local Ray%s", address or ""
+            )
             ray.init(address, **init_kwargs)
             self._owns_ray = True  # RayTaskRunner.__exit__ shuts down the Ray it started
         self.host()
@@ -175,25 +186,54 @@ class WarmRayTaskRunner(RayTaskRunner):
                     env_vars = {**self.host_env(), **runtime_env.get("env_vars", {})}
                     runtime_env = {**runtime_env, "env_vars": env_vars}
                 here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-                self._host = ray.remote(TaskHost).options(
-                    num_cpus=0, max_concurrency=HOST_THREADS, scheduling_strategy=here,
-                    **({"runtime_env": runtime_env} if runtime_env else {})).remote()
+                self._host = (
+                    ray.remote(TaskHost)
+                    .options(
+                        num_cpus=0,
+                        max_concurrency=HOST_THREADS,
+                        scheduling_strategy=here,
+                        **({"runtime_env": runtime_env} if runtime_env else {}),
+                    )
+                    .remote()
+                )
             return self._host
 
-    def submit(self, task: Task, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture] | None = None,
-               dependencies: dict[str, set[RunInput]] | None = None) -> PrefectRayFuture:
+    def submit(
+        self,
+        task: Task,
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectRayFuture:
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
         self.start_ray(self.address, self.init_kwargs)
         task_run_id = uuid4()
         task_inputs = {k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture) for k, v in parameters.items()}
-        context = serialize_context_once(asset_ctx_kwargs={"task": task, "task_run_id": task_run_id,
-                                                           "task_inputs": task_inputs, "copy_to_child_ctx": True})
+        context = serialize_context_once(
+            asset_ctx_kwargs={
+                "task": task,
+                "task_run_id": task_run_id,
+                "task_inputs": task_inputs,
+                "copy_to_child_ctx": True,
+            }
+        )
         settings = self._settings_by_reference(context.pop("settings_context"))
         parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
-        object_ref = self.host().run.options(name=task.name).remote(
-            *upstream_ray_obj_refs, task=task, task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
-            dependencies=dependencies, context=context, settings=settings)
+        object_ref = (
+            self.host()
+            .run.options(name=task.name)
+            .remote(
+                *upstream_ray_obj_refs,
+                task=task,
+                task_run_id=task_run_id,
+                parameters=parameters,
+                wait_for=wait_for,
+                dependencies=dependencies,
+                context=context,
+                settings=settings,
+            )
+        )
         return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
 
     def _settings_by_reference(self, serialized: dict) -> tuple[str, list]:

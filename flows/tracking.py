@@ -38,8 +38,9 @@ class Tracker:
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = existing.experiment_id if existing else self.client.create_experiment(experiment)
         if run_id is None:
-            found = self.client.search_runs([self.experiment_id], max_results=1,
-                                            filter_string=f"tags.`rlflow.run_name` = '{run_name}'")
+            found = self.client.search_runs(
+                [self.experiment_id], max_results=1, filter_string=f"tags.`rlflow.run_name` = '{run_name}'"
+            )
             run_id = found[0].info.run_id if found else None
         if run_id:
             self.run_id = run_id
@@ -71,8 +72,11 @@ class Tracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        items = [Metric(sanitize_metric_name(k), float(v), now, step) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        items = [
+            Metric(sanitize_metric_name(k), float(v), now, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))
+        ]
         for start in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[start : start + 500])
 
@@ -99,9 +103,12 @@ class Tracker:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
-                transformers_model={"model": model, "tokenizer": tokenizer}, name="model", task="text-generation",
+                transformers_model={"model": model, "tokenizer": tokenizer},
+                name="model",
+                task="text-generation",
                 registered_model_name=register_as,
-                pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")])
+                pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")],
+            )
         return info
 
     def finish(self, status: str = "FINISHED") -> None:
@@ -115,16 +122,22 @@ def prefect_flow_run_links() -> dict[str, str]:
     run_id = flow_run.get_id()
     if not run_id:
         return {}
-    return {"prefect.flow_run_id": run_id, "prefect.flow_run_url": flow_run.get_flow_run_ui_url() or "",
-            "prefect.flow_name": flow_run.get_flow_name() or ""}
+    return {
+        "prefect.flow_run_id": run_id,
+        "prefect.flow_run_url": flow_run.get_flow_run_ui_url() or "",
+        "prefect.flow_name": flow_run.get_flow_name() or "",
+    }
 
 
 def publish_checkpoint_artifact(run_name: str, step: int, path: str, metrics: dict[str, float]) -> None:
     """A Prefect table artifact per checkpoint (step, path, key metrics)."""
     from prefect.artifacts import create_table_artifact
 
-    key_metrics = {k: round(v, 4) for k, v in metrics.items()
-                   if k in ("critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "sft/loss")}
+    key_metrics = {
+        k: round(v, 4)
+        for k, v in metrics.items()
+        if k in ("critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "sft/loss")
+    }
     create_table_artifact(
         key=f"{artifact_key(run_name)}-checkpoints",
         table=[{"step": step, "path": path, **key_metrics}],
@@ -135,8 +148,12 @@ def publish_checkpoint_artifact(run_name: str, step: int, path: str, metrics: di
 def publish_mlflow_link(run_name: str, url: str) -> None:
     from prefect.artifacts import create_link_artifact
 
-    create_link_artifact(key=f"{artifact_key(run_name)}-mlflow", link=url, link_text="MLflow run",
-                         description=f"MLflow run of {run_name}")
+    create_link_artifact(
+        key=f"{artifact_key(run_name)}-mlflow",
+        link=url,
+        link_text="MLflow run",
+        description=f"MLflow run of {run_name}",
+    )
 
 
 class ProgressArtifact:
@@ -146,8 +163,9 @@ class ProgressArtifact:
         from prefect.artifacts import create_progress_artifact
 
         self.run_name, self.total, self.restarts = run_name, total, 0
-        self.id = create_progress_artifact(progress=0.0, key=f"{artifact_key(run_name)}-progress",
-                                           description=self._description())
+        self.id = create_progress_artifact(
+            progress=0.0, key=f"{artifact_key(run_name)}-progress", description=self._description()
+        )
 
     def _description(self) -> str:
         restarts = f" ({self.restarts} restart(s) after worker faults)" if self.restarts else ""
@@ -183,11 +201,16 @@ def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0
         while True:
             runs = client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.get_id()])),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
-                    type=TaskRunFilterStateType(any_=[StateType.FAILED]), name=None)))
-            found = [f"{r.name}: {r.state.message if r.state else r.state_name}" for r in runs
-                     if r.name.endswith(f"-step-{step}")
-                     and (since is None or (r.start_time or r.expected_start_time or r.created) >= since)]
+                task_run_filter=TaskRunFilter(
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED]), name=None)
+                ),
+            )
+            found = [
+                f"{r.name}: {r.state.message if r.state else r.state_name}"
+                for r in runs
+                if r.name.endswith(f"-step-{step}")
+                and (since is None or (r.start_time or r.expected_start_time or r.created) >= since)
+            ]
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(1.0)
@@ -195,4 +218,3 @@ def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0
 
 def artifact_key(name: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", name.lower())
-

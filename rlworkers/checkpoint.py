@@ -91,10 +91,12 @@ class CheckpointSaveError(RuntimeError):
     def __init__(self, step_dir: str, previous: str | None, cause: str):
         self.step_dir, self.previous, self.cause = step_dir, previous, cause
         kept = f"the newest good checkpoint is still {previous}" if previous else "no earlier checkpoint exists"
-        super().__init__(f"could not save checkpoint {step_dir}: {cause}. Nothing was lost: the partial folder is "
-                         f"never loaded and {kept}. Fix: check that trainer.runs_dir is reachable and writable "
-                         "(credentials, quota, network), then run again: the run resumes from "
-                         f"{previous or 'its start'}.")
+        super().__init__(
+            f"could not save checkpoint {step_dir}: {cause}. Nothing was lost: the partial folder is "
+            f"never loaded and {kept}. Fix: check that trainer.runs_dir is reachable and writable "
+            "(credentials, quota, network), then run again: the run resumes from "
+            f"{previous or 'its start'}."
+        )
 
     def __reduce__(self):
         return type(self), (self.step_dir, self.previous, self.cause)
@@ -138,8 +140,10 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     try:
         text = json.dumps(obj, indent=2)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"cannot write {os.fspath(path)} as JSON: {exc}; convert the value to plain "
-                        "dicts/lists/str/numbers first (e.g. tensor.item(), str(path))") from exc
+        raise TypeError(
+            f"cannot write {os.fspath(path)} as JSON: {exc}; convert the value to plain "
+            "dicts/lists/str/numbers first (e.g. tensor.item(), str(path))"
+        ) from exc
     _write_bytes_atomic(path, text.encode("utf-8"))
 
 
@@ -200,15 +204,17 @@ def begin_checkpoint(root: str | os.PathLike, step: int, *, overwrite: bool = Fa
             if not overwrite:
                 raise FileExistsError(
                     f"checkpoint {step_dir} is already committed; resume from it (resume='auto'), use another "
-                    "run name, or pass overwrite=True to replace it")
+                    "run name, or pass overwrite=True to replace it"
+                )
             logger.warning("replacing committed checkpoint %s (overwrite=True)", step_dir)
         _remove_checkpoint(fs, p)
     fs.makedirs(p, exist_ok=True)
     return step_dir
 
 
-def commit_checkpoint(step_dir: str | os.PathLike, metadata: dict | None = None, *,
-                      required: Iterable[str] = ()) -> dict:
+def commit_checkpoint(
+    step_dir: str | os.PathLike, metadata: dict | None = None, *, required: Iterable[str] = ()
+) -> dict:
     """Hash every file under ``step_dir`` and write ``manifest.json`` last; return the manifest.
 
     The manifest is ``{format, step, created_at, files: {relpath: {sha256, size}}, metadata}``. ``required``
@@ -221,16 +227,19 @@ def commit_checkpoint(step_dir: str | os.PathLike, metadata: dict | None = None,
     step_dir = os.fspath(step_dir)
     step = _step_of(step_dir)
     if step is None:
-        raise ValueError(f"cannot commit {step_dir}: the folder must be named step_<N>; create it with "
-                         "begin_checkpoint(root, step)")
+        raise ValueError(
+            f"cannot commit {step_dir}: the folder must be named step_<N>; create it with begin_checkpoint(root, step)"
+        )
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise TypeError(f"commit_checkpoint metadata must be a dict, got {type(metadata).__name__}")
     fs, p = filesystem(step_dir)
     rels = _list_files(fs, p) if fs.exists(p) else []
     if not rels:
-        raise ValueError(f"cannot commit {step_dir}: it holds no file. Workers must write into this folder "
-                         "(a path every node can reach, e.g. s3://... or a shared mount), not a node-local disk")
+        raise ValueError(
+            f"cannot commit {step_dir}: it holds no file. Workers must write into this folder "
+            "(a path every node can reach, e.g. s3://... or a shared mount), not a node-local disk"
+        )
     missing = [r for r in required if r not in rels]
     if missing:
         raise ValueError(f"cannot commit {step_dir}: required file(s) {missing} were not written")
@@ -250,8 +259,9 @@ def commit_checkpoint(step_dir: str | os.PathLike, metadata: dict | None = None,
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint metadata for {step_dir} is not JSON-serialisable: {exc}") from exc
     _write_bytes_atomic(join_path(step_dir, MANIFEST_NAME), data)  # the commit point
-    logger.info("committed checkpoint %s (%d files, %d bytes)", step_dir, len(files),
-                sum(f["size"] for f in files.values()))
+    logger.info(
+        "committed checkpoint %s (%d files, %d bytes)", step_dir, len(files), sum(f["size"] for f in files.values())
+    )
     return manifest
 
 
@@ -262,23 +272,25 @@ def _load_manifest(step_dir: str, fs: fsspec.AbstractFileSystem, p: str) -> dict
     mpath = f"{p}/{MANIFEST_NAME}"
     fs.invalidate_cache(p)
     if not fs.exists(mpath):
-        raise CorruptCheckpointError(step_dir, f"no {MANIFEST_NAME}: partial or uncommitted (the save did not "
-                                               "finish)")
+        raise CorruptCheckpointError(step_dir, f"no {MANIFEST_NAME}: partial or uncommitted (the save did not finish)")
     try:
         with fs.open(mpath, "rb") as f:
             manifest = json.loads(f.read().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(step_dir, f"unreadable {MANIFEST_NAME}: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
-            or not isinstance(manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CorruptCheckpointError(step_dir, f"{MANIFEST_NAME} is not a {MANIFEST_FORMAT} manifest "
-                                               f"(format={found!r})")
+        raise CorruptCheckpointError(
+            step_dir, f"{MANIFEST_NAME} is not a {MANIFEST_FORMAT} manifest (format={found!r})"
+        )
     return manifest
 
 
-def verify_checkpoint(step_dir: str | os.PathLike, *, check_hashes: bool = True,
-                      required: Iterable[str] = ()) -> dict:
+def verify_checkpoint(step_dir: str | os.PathLike, *, check_hashes: bool = True, required: Iterable[str] = ()) -> dict:
     """Return the manifest of ``step_dir`` if every listed file is present with its size and sha256.
 
     ``check_hashes=False`` checks presence and sizes only (cheap: no file is read). ``required`` lists
@@ -293,8 +305,9 @@ def verify_checkpoint(step_dir: str | os.PathLike, *, check_hashes: bool = True,
     manifest = _load_manifest(step_dir, fs, p)
     folder_step = _step_of(step_dir)
     if folder_step is not None and manifest.get("step") != folder_step:
-        raise CorruptCheckpointError(step_dir, f"{MANIFEST_NAME} says step {manifest.get('step')!r}, folder "
-                                               f"says {folder_step}")
+        raise CorruptCheckpointError(
+            step_dir, f"{MANIFEST_NAME} says step {manifest.get('step')!r}, folder says {folder_step}"
+        )
     files: dict = manifest["files"]
     for rel in required:
         if rel not in files:
@@ -305,8 +318,9 @@ def verify_checkpoint(step_dir: str | os.PathLike, *, check_hashes: bool = True,
         except FileNotFoundError:
             raise CorruptCheckpointError(step_dir, f"missing file {rel!r}") from None
         if size != entry.get("size"):
-            raise CorruptCheckpointError(step_dir, f"size mismatch for {rel!r}: manifest {entry.get('size')}, "
-                                                   f"found {size}")
+            raise CorruptCheckpointError(
+                step_dir, f"size mismatch for {rel!r}: manifest {entry.get('size')}, found {size}"
+            )
     if check_hashes:
         for rel, entry in sorted(files.items()):
             sha, _ = _sha256_and_size(fs, f"{p}/{rel}")
@@ -333,8 +347,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_latest_checkpoint(root: str | os.PathLike, *,
-                           required: Iterable[str] = ()) -> tuple[str, dict] | None:
+def find_latest_checkpoint(root: str | os.PathLike, *, required: Iterable[str] = ()) -> tuple[str, dict] | None:
     """Newest valid checkpoint under ``root`` as ``(step_dir, manifest)``, or None if there is none.
 
     Newer partial or corrupt folders are skipped with a WARNING naming them and why.
@@ -352,8 +365,7 @@ def find_latest_checkpoint(root: str | os.PathLike, *,
     return None
 
 
-def resolve_resume(root: str | os.PathLike, resume: str, *,
-                   required: Iterable[str] = ()) -> tuple[str, dict] | None:
+def resolve_resume(root: str | os.PathLike, resume: str, *, required: Iterable[str] = ()) -> tuple[str, dict] | None:
     """Pick the checkpoint to resume from: ``(step_dir, manifest)`` or None to start from scratch.
 
     ``resume="auto"``: newest valid checkpoint under ``root`` (None if there is none); ``"never"``: None;
@@ -379,15 +391,19 @@ def resolve_resume(root: str | os.PathLike, resume: str, *,
         return found
     fs, p = filesystem(resume)
     if not fs.exists(p):
-        raise FileNotFoundError(f"resume={resume!r}: no such checkpoint folder. Pass resume='auto' to continue "
-                                "from the newest valid checkpoint of this run, resume='never' to start fresh, or "
-                                "the path of an existing step_<N> folder")
+        raise FileNotFoundError(
+            f"resume={resume!r}: no such checkpoint folder. Pass resume='auto' to continue "
+            "from the newest valid checkpoint of this run, resume='never' to start fresh, or "
+            "the path of an existing step_<N> folder"
+        )
     try:
         manifest = verify_checkpoint(resume, required=required)
     except CorruptCheckpointError as exc:
-        hint = ("it looks like a checkpoints root: pass resume='auto' or one of its step_<N> folders"
-                if _step_of(resume) is None and list_checkpoints(resume)
-                else "pick an older step_<N> folder, or pass resume='auto' to use the newest valid one")
+        hint = (
+            "it looks like a checkpoints root: pass resume='auto' or one of its step_<N> folders"
+            if _step_of(resume) is None and list_checkpoints(resume)
+            else "pick an older step_<N> folder, or pass resume='auto' to use the newest valid one"
+        )
         raise CorruptCheckpointError(exc.step_dir, f"{exc.problem}; cannot resume from it: {hint}") from exc
     logger.info("resuming from %s", resume)
     return resume, manifest
@@ -406,8 +422,9 @@ def _remove_checkpoint(fs: fsspec.AbstractFileSystem, p: str) -> None:
     fs.invalidate_cache(p)
 
 
-def apply_retention(root: str | os.PathLike, keep_last: int | None, *, check_hashes: bool = False,
-                    required: Iterable[str] = ()) -> list[str]:
+def apply_retention(
+    root: str | os.PathLike, keep_last: int | None, *, check_hashes: bool = False, required: Iterable[str] = ()
+) -> list[str]:
     """Delete old checkpoints so that the newest ``keep_last`` valid ones remain; return the deleted paths.
 
     Call it only after ``commit_checkpoint`` (verl PR #4873: deleting first lost everything when the save

@@ -44,10 +44,24 @@ from safetensors.torch import save as safetensors_save
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader
 
-__all__ = ["DataProto", "DataProtoItem", "DataProtoConfig", "ProtocolError", "pad_dataproto_to_divisor",
-           "unpad_dataproto", "union_two_dict", "union_tensor_dict", "union_numpy_dict",
-           "list_of_dict_to_dict_of_list", "fold_batch_dim", "unfold_batch_dim", "collate_fn",
-           "serialize_single_tensor", "deserialize_single_tensor", "all_gather_data_proto"]
+__all__ = [
+    "DataProto",
+    "DataProtoItem",
+    "DataProtoConfig",
+    "ProtocolError",
+    "pad_dataproto_to_divisor",
+    "unpad_dataproto",
+    "union_two_dict",
+    "union_tensor_dict",
+    "union_numpy_dict",
+    "list_of_dict_to_dict_of_list",
+    "fold_batch_dim",
+    "unfold_batch_dim",
+    "collate_fn",
+    "serialize_single_tensor",
+    "deserialize_single_tensor",
+    "all_gather_data_proto",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +138,10 @@ def union_two_dict(dict1: dict, dict2: dict) -> dict:
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
     """Add ``tensor_dict2``'s tensors to ``tensor_dict1`` in place; a key in both must hold equal tensors."""
     if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ProtocolError(f"cannot union TensorDicts of batch size {list(tensor_dict1.batch_size)} and "
-                            f"{list(tensor_dict2.batch_size)}")
+        raise ProtocolError(
+            f"cannot union TensorDicts of batch size {list(tensor_dict1.batch_size)} and "
+            f"{list(tensor_dict2.batch_size)}"
+        )
     for key, tensor in tensor_dict2.items():
         if key in tensor_dict1.keys() and not tensor_dict1[key].equal(tensor):
             raise ProtocolError(f"cannot union: tensor column {key!r} differs between the two DataProtos")
@@ -234,8 +250,10 @@ class DataProto:
         tensors = dict(tensors or {})
         non_tensors = {k: _as_object_array(v) for k, v in (non_tensors or {}).items()}
         if num_batch_dims != 1:
-            raise ProtocolError(f"num_batch_dims must be 1, got {num_batch_dims}: a DataProto has one batch dimension "
-                                "(use fold_batch_dim / unfold_batch_dim to reshape rows)")
+            raise ProtocolError(
+                f"num_batch_dims must be 1, got {num_batch_dims}: a DataProto has one batch dimension "
+                "(use fold_batch_dim / unfold_batch_dim to reshape rows)"
+            )
         batch = None
         if tensors:
             first = next(iter(tensors.values()))
@@ -244,8 +262,10 @@ class DataProto:
                 if not isinstance(tensor, torch.Tensor):
                     raise TypeError(f"tensors[{name!r}] is a {type(tensor).__name__}; put it in non_tensors instead")
                 if list(tensor.shape[:1]) != batch_size:
-                    raise ProtocolError(f"tensors[{name!r}] has leading shape {list(tensor.shape[:1])}, "
-                                        f"expected {batch_size} like the first tensor")
+                    raise ProtocolError(
+                        f"tensors[{name!r}] has leading shape {list(tensor.shape[:1])}, "
+                        f"expected {batch_size} like the first tensor"
+                    )
             batch = TensorDict(tensors, batch_size=batch_size)
         meta_info = dict(meta_info or {})
         if auto_padding:
@@ -278,10 +298,13 @@ class DataProto:
         dicts survive), each ``meta_info`` entry as ``NonTensorData``."""
         tensors = {} if self.batch is None else dict(self.batch.items())
         clashes = (set(tensors) | set(self.non_tensor_batch)) & set(self.meta_info) | (
-            set(tensors) & set(self.non_tensor_batch))
+            set(tensors) & set(self.non_tensor_batch)
+        )
         if clashes:
-            raise ProtocolError(f"cannot convert to a TensorDict: keys {sorted(clashes)} name more than one of "
-                                "batch, non_tensor_batch and meta_info; rename them first")
+            raise ProtocolError(
+                f"cannot convert to a TensorDict: keys {sorted(clashes)} name more than one of "
+                "batch, non_tensor_batch and meta_info; rename them first"
+            )
         source = {
             **tensors,
             **{k: NonTensorStack.from_list([NonTensorData(x) for x in v]) for k, v in self.non_tensor_batch.items()},
@@ -292,8 +315,10 @@ class DataProto:
     def check_consistency(self) -> None:
         """Raise if the batch has other than one batch dimension or columns disagree on the batch size."""
         if self.batch is not None and len(self.batch.batch_size) != 1:
-            raise ProtocolError(f"DataProto.batch must have exactly one batch dimension, got batch_size "
-                                f"{list(self.batch.batch_size)}; fold_batch_dim / unfold_batch_dim reshape rows")
+            raise ProtocolError(
+                f"DataProto.batch must have exactly one batch dimension, got batch_size "
+                f"{list(self.batch.batch_size)}; fold_batch_dim / unfold_batch_dim reshape rows"
+            )
         length = None if self.batch is None else self.batch.batch_size[0]
         for name, values in self.non_tensor_batch.items():
             if not isinstance(values, np.ndarray):
@@ -393,17 +418,21 @@ class DataProto:
         self.check_consistency()
         return self
 
-    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
-                      dataloader_kwargs: dict | None = None) -> Iterator["DataProto"]:
+    def make_iterator(
+        self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
+    ) -> Iterator["DataProto"]:
         """Mini-batches of ``mini_batch_size`` rows for ``epochs`` passes, through a torch DataLoader over the rows
         (pass ``{"shuffle": True}`` in ``dataloader_kwargs`` to shuffle; ``seed`` makes the order repeatable).
         Each mini-batch carries this DataProto's ``meta_info``."""
         if len(self) % mini_batch_size:
-            raise ProtocolError(f"make_iterator needs the batch size ({len(self)}) to be a multiple of "
-                                f"mini_batch_size ({mini_batch_size})")
+            raise ProtocolError(
+                f"make_iterator needs the batch size ({len(self)}) to be a multiple of "
+                f"mini_batch_size ({mini_batch_size})"
+            )
         generator = None if seed is None else torch.Generator().manual_seed(seed)
-        loader = DataLoader(self, batch_size=mini_batch_size, collate_fn=collate_fn, generator=generator,
-                            **(dataloader_kwargs or {}))
+        loader = DataLoader(
+            self, batch_size=mini_batch_size, collate_fn=collate_fn, generator=generator, **(dataloader_kwargs or {})
+        )
 
         def mini_batches():
             for _ in range(epochs):
@@ -463,13 +492,15 @@ class DataProto:
             if _column_layout(part) != _column_layout(data[0]):
                 raise ProtocolError(
                     f"cannot concat: part {i} has (tensors, non-tensor columns) {_column_layout(part)}, "
-                    f"part 0 has {_column_layout(data[0])}; every part needs the same columns")
+                    f"part 0 has {_column_layout(data[0])}; every part needs the same columns"
+                )
         batch = None
         if data[0].batch is not None:
             batch = torch.cat([d.batch for d in data], dim=0) if len(data) > 1 else data[0].batch
         non_tensors = {key: np.concatenate([d.non_tensor_batch[key] for d in data]) for key in data[0].non_tensor_batch}
-        return type(data[0])(batch=batch, non_tensor_batch=non_tensors,
-                             meta_info=_merge_meta([d.meta_info for d in data]))
+        return type(data[0])(
+            batch=batch, non_tensor_batch=non_tensors, meta_info=_merge_meta([d.meta_info for d in data])
+        )
 
     def reorder(self, indices) -> None:
         """Permute rows in place."""
@@ -488,8 +519,9 @@ class DataProto:
             repeat_times = repeat_times.detach().cpu().numpy()
         counts = np.asarray(repeat_times, dtype=np.int64)
         if counts.shape != (len(self),):
-            raise ProtocolError(f"sample_level_repeat needs one count per row: {len(self)} rows, "
-                                f"repeat_times has shape {counts.shape}")
+            raise ProtocolError(
+                f"sample_level_repeat needs one count per row: {len(self)} rows, repeat_times has shape {counts.shape}"
+            )
         return self.select_idxs(np.repeat(np.arange(len(self)), counts))
 
     def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
@@ -503,11 +535,13 @@ class DataProto:
 
         batch = None
         if self.batch is not None:
-            columns = {k: unfold(v) if k in split_keys else v.repeat_interleave(n_split, dim=0)
-                       for k, v in self.batch.items()}
+            columns = {
+                k: unfold(v) if k in split_keys else v.repeat_interleave(n_split, dim=0) for k, v in self.batch.items()
+            }
             batch = TensorDict(columns, batch_size=[len(self) * n_split], device=self.batch.device)
-        non_tensors = {k: unfold(v) if k in split_keys else np.repeat(v, n_split, axis=0)
-                       for k, v in self.non_tensor_batch.items()}
+        non_tensors = {
+            k: unfold(v) if k in split_keys else np.repeat(v, n_split, axis=0) for k, v in self.non_tensor_batch.items()
+        }
         return type(self)(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(self.meta_info))
 
     def to(self, device: str | torch.device) -> "DataProto":
@@ -522,8 +556,10 @@ class DataProto:
     def print_size(self, prefix: str = "") -> str:
         """Log (INFO, logger ``rlworkers.protocol``) and return the size of the tensors and non-tensor arrays."""
         non_tensor_bytes = sum(v.nbytes for v in self.non_tensor_batch.values())
-        message = (f"Size of tensordict: {self.nbytes() / 1024**3} GB, "
-                   f"size of non_tensor_batch: {non_tensor_bytes / 1024**3} GB")
+        message = (
+            f"Size of tensordict: {self.nbytes() / 1024**3} GB, "
+            f"size of non_tensor_batch: {non_tensor_bytes / 1024**3} GB"
+        )
         message = f"{prefix}, {message}" if prefix else message
         logger.info(message)
         return message
@@ -546,8 +582,9 @@ class DataProto:
         header = {
             "format": _FORMAT_VERSION,
             "length": len(self),
-            "non_tensor_batch": {k: _to_json(v.tolist(), f"non_tensor_batch[{k!r}]")
-                                 for k, v in self.non_tensor_batch.items()},
+            "non_tensor_batch": {
+                k: _to_json(v.tolist(), f"non_tensor_batch[{k!r}]") for k, v in self.non_tensor_batch.items()
+            },
             "meta_info": _to_json(self.meta_info, "meta_info"),
         }
         payload = safetensors_save(tensors, metadata={"rlflow": json.dumps(header)})
@@ -623,8 +660,10 @@ def _merge_meta(metas: Sequence[dict]) -> dict:
                 if value is not None:
                     metrics.extend(value if isinstance(value, list) else [value])
             elif key in merged and not _deep_equal(merged[key], value):
-                raise ProtocolError(f"Conflicting values for meta_info key {key!r} in DataProto.concat "
-                                    f"({merged[key]!r} vs {value!r}); every part must agree on it")
+                raise ProtocolError(
+                    f"Conflicting values for meta_info key {key!r} in DataProto.concat "
+                    f"({merged[key]!r} vs {value!r}); every part must agree on it"
+                )
             else:
                 merged[key] = value
     if metrics:
@@ -655,8 +694,11 @@ def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     def fold(values):
         return values.reshape(new_batch_size, -1, *values.shape[1:])
 
-    batch = None if data.batch is None else TensorDict({k: fold(v) for k, v in data.batch.items()},
-                                                       batch_size=[new_batch_size])
+    batch = (
+        None
+        if data.batch is None
+        else TensorDict({k: fold(v) for k, v in data.batch.items()}, batch_size=[new_batch_size])
+    )
     non_tensors = {k: fold(v) for k, v in data.non_tensor_batch.items()}
     return type(data)(batch=batch, non_tensor_batch=non_tensors, meta_info=data.meta_info)
 
@@ -669,8 +711,7 @@ def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
     def unfold(values):
         return values.reshape(rows, *values.shape[batch_dims:])
 
-    batch = None if data.batch is None else TensorDict({k: unfold(v) for k, v in data.batch.items()},
-                                                       batch_size=[rows])
+    batch = None if data.batch is None else TensorDict({k: unfold(v) for k, v in data.batch.items()}, batch_size=[rows])
     non_tensors = {k: unfold(v) for k, v in data.non_tensor_batch.items()}
     return type(data)(batch=batch, non_tensor_batch=non_tensors, meta_info=data.meta_info)
 

@@ -24,8 +24,18 @@ from pathlib import Path
 
 import fsspec
 
-__all__ = ["is_remote", "filesystem", "join_path", "basename", "staged_dir", "local_dir", "cached_copy", "download_dir",
-           "upload_dir", "storage_env"]
+__all__ = [
+    "is_remote",
+    "filesystem",
+    "join_path",
+    "basename",
+    "staged_dir",
+    "local_dir",
+    "cached_copy",
+    "download_dir",
+    "upload_dir",
+    "storage_env",
+]
 
 COMPLETE_MARKER = ".complete"
 # Variables that configure object-store clients (botocore/s3fs: credentials, endpoint, retries; fsspec's own).
@@ -81,7 +91,7 @@ def download_dir(url: str, local: str | os.PathLike) -> None:
     if not files:
         raise FileNotFoundError(f"{url}: no such folder (or it is empty)")
     for remote in files:
-        target = Path(local) / remote[len(root) + 1:]
+        target = Path(local) / remote[len(root) + 1 :]
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(remote, str(target))
 

@@ -30,10 +30,25 @@ class Browser:
             pytest.skip("headless Chromium is not installed: `apt-get install chromium` (Debian) runs the UI tests")
         self.profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)  # Chromium may still write
         self.process = subprocess.Popen(
-            [path, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-             f"--window-size={width},{height}", "--remote-debugging-port=0", f"--user-data-dir={self.profile.name}",
-             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                path,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--hide-scrollbars",
+                f"--window-size={width},{height}",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={self.profile.name}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         port = None
         for line in self.process.stderr:
             if match := re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/", line):
@@ -79,7 +94,8 @@ class Browser:
         found = self._eval(
             "(() => { const el = [...document.querySelectorAll('button, a, [role=tab], li, span')]"
             f".find(e => e.textContent.trim() === {json.dumps(label)});"
-            " if (el) { el.click(); return true; } return false; })()")
+            " if (el) { el.click(); return true; } return false; })()"
+        )
         assert found, f"nothing labelled {label!r} to click"
 
     def screenshot(self, name: str) -> Path:

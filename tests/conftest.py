@@ -39,8 +39,9 @@ def services(tmp_path_factory):
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    config = ServiceConfig(state_dir=tmp_path_factory.mktemp("rlflow-home"), prefect_port=free_port(),
-                           mlflow_port=free_port())
+    config = ServiceConfig(
+        state_dir=tmp_path_factory.mktemp("rlflow-home"), prefect_port=free_port(), mlflow_port=free_port()
+    )
     saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     urls = start_services(config)
     apply_service_env(urls)

@@ -65,10 +65,13 @@ def checkpoint_exists(root: str, step: int) -> Callable[[], bool]:
 
 def after(injector: Injector, count: int) -> Callable[[], bool]:
     """True once ``injector`` has made ``count`` hits and the processes it hit are gone (recovery is under way)."""
+
     def ready() -> bool:
         hit = injector.done[:count]
-        return len(hit) == count and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() !=
-                                             psutil.STATUS_ZOMBIE for _, pid, _ in hit)
+        return len(hit) == count and not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for _, pid, _ in hit
+        )
+
     return ready
 
 

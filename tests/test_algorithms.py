@@ -174,8 +174,10 @@ def test_reinforce_plus_plus_discounted_returns_and_whitening():
     close(ret, [[0.25, 0.5, 1.0], [1.0, 2.0, 9.0]])
     # whiten the 5 valid returns [0.25, 0.5, 1, 1, 2]: mean 0.95, sum sq dev 1.8, var 1.8/4 = 0.45
     # std 0.670820 -> [-1.04350, -0.67082, 0.07454, 0.07454, 1.56525]
-    expected = [[-0.7 / math.sqrt(0.45), -0.45 / math.sqrt(0.45), 0.05 / math.sqrt(0.45)],
-                [0.05 / math.sqrt(0.45), 1.05 / math.sqrt(0.45), 0.0]]
+    expected = [
+        [-0.7 / math.sqrt(0.45), -0.45 / math.sqrt(0.45), 0.05 / math.sqrt(0.45)],
+        [0.05 / math.sqrt(0.45), 1.05 / math.sqrt(0.45), 0.0],
+    ]
     close(adv, expected, tol=1e-4)
 
 

@@ -84,12 +84,13 @@ def test_commit_verify_round_trip(root):
     expected = {**shards, "trainer_state.json": _get(f"{step_dir}/trainer_state.json")}
     assert manifest["format"] == ckpt.MANIFEST_FORMAT and manifest["step"] == 7
     assert manifest["metadata"] == {"world_size": 2} and manifest["created_at"]
-    assert manifest["files"] == {rel: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)}
-                                 for rel, d in expected.items()}
+    assert manifest["files"] == {
+        rel: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for rel, d in expected.items()
+    }
     # The manifest is on disk, is not listed in itself, and no temporary file is left behind.
     assert read_json(f"{step_dir}/manifest.json") == manifest
     fs, p = fsspec.core.url_to_fs(step_dir)
-    assert sorted(f[len(p) + 1:] for f in fs.find(p)) == sorted([*expected, "manifest.json"])
+    assert sorted(f[len(p) + 1 :] for f in fs.find(p)) == sorted([*expected, "manifest.json"])
     assert verify_checkpoint(step_dir, required=["trainer_state.json"]) == manifest
     assert list_checkpoints(root) == [(7, step_dir)]
     # Committing again (e.g. a retried stage) re-hashes the same files and never lists the manifest itself.

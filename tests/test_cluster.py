@@ -48,11 +48,18 @@ class Node:
         self.temp_dir = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")  # short: Ray's socket paths have a length limit
 
     def start(self, address: str | None = None) -> None:
-        args = [RAY, "start", f"--num-cpus={self.num_cpus}", f"--resources={self.resources}",
-                f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
-                f"--dashboard-agent-listen-port={free_port()}"]
-        args += [f"--address={address}"] if address else ["--head", f"--port={self.head_port}",
-                                                            "--include-dashboard=false"]
+        args = [
+            RAY,
+            "start",
+            f"--num-cpus={self.num_cpus}",
+            f"--resources={self.resources}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+            f"--dashboard-agent-listen-port={free_port()}",
+        ]
+        args += (
+            [f"--address={address}"] if address else ["--head", f"--port={self.head_port}", "--include-dashboard=false"]
+        )
         subprocess.run(args, env=self.env, check=True, capture_output=True, timeout=120)
 
     def processes(self) -> list[psutil.Process]:
@@ -77,8 +84,12 @@ class Node:
 
 @pytest.fixture
 def cluster(services):
-    env = {**os.environ, "RAY_AUTH_MODE": "token",  # token: the default of `ray start`
-           "PYTHONPATH": str(ROOT), "RAY_enable_metrics_collection": "0"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",  # token: the default of `ray start`
+        "PYTHONPATH": str(ROOT),
+        "RAY_enable_metrics_collection": "0",
+    }
     env.pop("RAY_ADDRESS", None)
     port = free_port()
     head = Node(env, num_cpus=2, head_port=port)
@@ -93,8 +104,11 @@ def cluster(services):
 
 
 def rlflow_workers_on(node: Node) -> list[str]:
-    return [p.cmdline()[0].split()[0] for p in node.processes()
-            if p.cmdline() and p.cmdline()[0].startswith(("ray::ActorRolloutRefWorker", "ray::RewardWorker"))]
+    return [
+        p.cmdline()[0].split()[0]
+        for p in node.processes()
+        if p.cmdline() and p.cmdline()[0].startswith(("ray::ActorRolloutRefWorker", "ray::RewardWorker"))
+    ]
 
 
 def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
@@ -103,15 +117,33 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     runs = tmp_path / "runs"  # one disk for both "nodes" here; on real machines, a shared or s3:// path
 
     def command(run_name: str) -> list[str]:
-        return [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", f"model.path={model}",
-                f"trainer.runs_dir={runs}", f"trainer.run_name={run_name}",
-                f"trainer.ray_address={cluster['address']}", "trainer.total_steps=6", "trainer.save_freq=2",
-                "trainer.test_freq=0", "trainer.log_model=false", "trainer.log_samples=0", "data.train_batch_size=8",
-                "data.val_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-                "actor.ppo_micro_batch_size_per_gpu=8"]
+        return [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "grpo",
+            "--config",
+            "demo",
+            f"model.path={model}",
+            f"trainer.runs_dir={runs}",
+            f"trainer.run_name={run_name}",
+            f"trainer.ray_address={cluster['address']}",
+            "trainer.total_steps=6",
+            "trainer.save_freq=2",
+            "trainer.test_freq=0",
+            "trainer.log_model=false",
+            "trainer.log_samples=0",
+            "data.train_batch_size=8",
+            "data.val_batch_size=8",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+        ]
 
-    clean = subprocess.run(command(f"{name}-clean"), env=cluster["env"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=600)  # the same job, uninterrupted, on the same cluster
+    clean = subprocess.run(
+        command(f"{name}-clean"), env=cluster["env"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )  # the same job, uninterrupted, on the same cluster
     assert clean.returncode == 0, (clean.stdout + clean.stderr)[-3000:]
     log = tmp_path / "train.log"
     with open(log, "w") as out:
@@ -124,8 +156,10 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
             assert time.monotonic() < deadline, "no step-2 checkpoint within 300 s"
             time.sleep(0.5)
         # 3.5 CPUs of worker groups do not fit on either node alone: both hold some
-        assert rlflow_workers_on(cluster["head"]) and rlflow_workers_on(cluster["other"]), \
-            (rlflow_workers_on(cluster["head"]), rlflow_workers_on(cluster["other"]))
+        assert rlflow_workers_on(cluster["head"]) and rlflow_workers_on(cluster["other"]), (
+            rlflow_workers_on(cluster["head"]),
+            rlflow_workers_on(cluster["other"]),
+        )
         cluster["other"].kill(signal.SIGTERM)  # the second node is stopped, as `ray stop` would
         deadline = time.monotonic() + 300
         while "waiting for capacity" not in log.read_text():  # nowhere to put what the node held
@@ -140,8 +174,9 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     text = log.read_text()
     assert "recovered in" in text, text[-3000:]
     client = MlflowClient()
-    run = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
-                             filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
+    run = client.search_runs(
+        [client.get_experiment_by_name("rlflow").experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'"
+    )[0]
     assert run.info.status == "FINISHED"
     # one restart, or two when the first came before Ray had marked the node dead (~15 s) and placed on it again
     assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] in ([1], [1, 2])

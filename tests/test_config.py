@@ -40,8 +40,15 @@ def test_flatten_gives_dotted_params():
 def test_validation_rows_fall_back_to_training_files(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(12)))
-    config = load_config("demo", [f"data.train_files=[{path}]", "data.train_batch_size=4",
-                                  "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=16"])
+    config = load_config(
+        "demo",
+        [
+            f"data.train_files=[{path}]",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=32",
+            "actor.ppo_micro_batch_size_per_gpu=16",
+        ],
+    )
     assert [r["prompt"] for r in dataset_rows(config, "validation")] == [f"{i}+1=" for i in range(12)]
     builtin = load_config("demo", [f"trainer.runs_dir={tmp_path}"])
     train, val = dataset_rows(builtin, "train"), dataset_rows(builtin, "validation")

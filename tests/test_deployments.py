@@ -35,11 +35,21 @@ def test_entrypoints_and_parameters_are_valid():
 def test_prefect_deploy_registers_schedules_and_limits(services):
     env = {**os.environ, "RLFLOW_PROJECT_DIR": str(ROOT), "PREFECT_API_URL": services["PREFECT_API_URL"]}
     prefect = [sys.executable, "-m", "prefect"]
-    subprocess.run([*prefect, "work-pool", "create", "rlflow", "--type", "process", "--overwrite"], env=env,
-                   check=True, capture_output=True, timeout=120)
-    result = subprocess.run([*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"],
-                            env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [*prefect, "work-pool", "create", "rlflow", "--type", "process", "--overwrite"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    result = subprocess.run(
+        [*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
     async def read():
@@ -64,15 +74,33 @@ def test_a_deployment_run_starts_ray_as_its_config_asks(services, tmp_path):
     (a Ray started from the environment would have 8 and train)."""
     from rlworkers.models.tiny import ensure_tiny_model
 
-    config = {"model": {"path": str(ensure_tiny_model(tmp_path / "tiny"))},
-              "trainer": {"runs_dir": str(tmp_path / "runs"), "run_name": "one-cpu", "total_steps": 1,
-                          "n_workers": 2, "ray_num_cpus": 1}}
-    script = ("import json, sys; from flows.sft import sft; "
-              "print(sft(config=json.loads(sys.argv[1]), return_state=True).message)")
+    config = {
+        "model": {"path": str(ensure_tiny_model(tmp_path / "tiny"))},
+        "trainer": {
+            "runs_dir": str(tmp_path / "runs"),
+            "run_name": "one-cpu",
+            "total_steps": 1,
+            "n_workers": 2,
+            "ray_num_cpus": 1,
+        },
+    }
+    script = (
+        "import json, sys; from flows.sft import sft; "
+        "print(sft(config=json.loads(sys.argv[1]), return_state=True).message)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PREFECT_API_URL=services["PREFECT_API_URL"], MLFLOW_TRACKING_URI=services["MLFLOW_TRACKING_URI"],
-               RLFLOW_RAY_NUM_CPUS="8")
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(config)], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    env.update(
+        PREFECT_API_URL=services["PREFECT_API_URL"],
+        MLFLOW_TRACKING_URI=services["MLFLOW_TRACKING_URI"],
+        RLFLOW_RAY_NUM_CPUS="8",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(config)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "PlacementError" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "the cluster has {'CPU': 1.0}" in result.stdout

@@ -31,8 +31,14 @@ from rlworkers.single_controller import (
 )
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-PROCESS = WorkerProcess(worker_class="ActorWorker", actor_name="abc_ActorWorker_0:1", pid=4242, node_ip="10.0.0.2",
-                        node_id="f" * 56, log_file="/tmp/ray/session_x/logs/worker-1-4242.out")
+PROCESS = WorkerProcess(
+    worker_class="ActorWorker",
+    actor_name="abc_ActorWorker_0:1",
+    pid=4242,
+    node_ip="10.0.0.2",
+    node_id="f" * 56,
+    log_file="/tmp/ray/session_x/logs/worker-1-4242.out",
+)
 ERRORS = [
     WorkerError(1, "update_actor", ZeroDivisionError("boom"), PROCESS, remote_traceback="Traceback ...\nboom"),
     StageTimeout([0, 1], "generate_sequences", 20.0, [PROCESS, None]),
@@ -46,8 +52,18 @@ ERRORS = [
     FaultBudgetExhausted("4 worker faults, more than trainer.max_restarts=3", ["step 3: actor lost"]),
     StepFailed("step 3 failed with every worker alive"),
 ]
-FIELDS = ("rank", "method", "ranks", "timeout_s", "worker", "workers", "remote_traceback", "step_dir", "problem",
-          "faults")
+FIELDS = (
+    "rank",
+    "method",
+    "ranks",
+    "timeout_s",
+    "worker",
+    "workers",
+    "remote_traceback",
+    "step_dir",
+    "problem",
+    "faults",
+)
 
 
 def _fields(error: BaseException) -> dict:

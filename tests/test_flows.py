@@ -43,13 +43,28 @@ def env(ray_cluster, services, tmp_path_factory):
 
 
 def small_config(env, name: str, *extra: str):
-    return load_config("demo", [
-        f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.run_name={name}",
-        "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=2", "trainer.keep_last_checkpoints=2",
-        "data.train_batch_size=8", "data.val_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_mini_batch_size=16",
-        "critic.ppo_micro_batch_size_per_gpu=8",
-        "trainer.log_samples=4", "trainer.log_model=false", *extra])
+    return load_config(
+        "demo",
+        [
+            f"model.path={env['model']}",
+            f"trainer.runs_dir={env['runs']}",
+            f"trainer.run_name={name}",
+            "trainer.total_steps=3",
+            "trainer.save_freq=2",
+            "trainer.test_freq=2",
+            "trainer.keep_last_checkpoints=2",
+            "data.train_batch_size=8",
+            "data.val_batch_size=8",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+            "critic.ppo_mini_batch_size=16",
+            "critic.ppo_micro_batch_size_per_gpu=8",
+            "trainer.log_samples=4",
+            "trainer.log_model=false",
+            *extra,
+        ],
+    )
 
 
 def run_flow(name: str, config):
@@ -87,8 +102,14 @@ def test_grpo_flow_end_to_end(env):
     per_stage = Counter(task_run.name.split("-step-")[0] for task_run in task_runs)
     updates = {t.name for t in task_runs if t.name.startswith("update_actor")}
     assert updates == {f"update_actor-step-{s}" for s in (1, 2, 3)}
-    for stage in ("generate_sequences", "compute_reward", "compute_log_prob", "compute_ref_log_prob",
-                  "compute_advantage", "update_actor"):
+    for stage in (
+        "generate_sequences",
+        "compute_reward",
+        "compute_log_prob",
+        "compute_ref_log_prob",
+        "compute_advantage",
+        "update_actor",
+    ):
         assert per_stage.get(stage) == 3, (stage, per_stage)  # one task run per stage per step
     assert per_stage.get("save_checkpoint") == 2 and per_stage.get("validate") == 3  # steps 2, 3 (+ step 0)
     assert all(t.state.is_completed() for t in task_runs)
@@ -103,15 +124,24 @@ def test_grpo_flow_end_to_end(env):
     assert run.info.run_id in link.data
     assert run.data.tags["prefect.flow_run_id"] == str(flow_run.id)
     assert run.data.tags["prefect.flow_run_url"].startswith("http://127.0.0.1")
-    for metric in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "response_length/mean", "timing_s/gen",
-                   "timing_s/step", "perf/orchestration_overhead_frac", "perf/throughput"):
+    for metric in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/entropy",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/step",
+        "perf/orchestration_overhead_frac",
+        "perf/throughput",
+    ):
         assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [1, 2, 3], metric
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/score/mean")] == [0, 2, 3]
     assert run.data.params["actor.optim.lr"] == "0.0001" and run.data.params["rollout.n"] == "4"
     artifacts_paths = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"samples", "checkpoints"} <= artifacts_paths
-    samples = client.load_table(experiment_id=run.info.experiment_id, artifact_file="samples/step_000002.json",
-                                run_ids=[run.info.run_id])
+    samples = client.load_table(
+        experiment_id=run.info.experiment_id, artifact_file="samples/step_000002.json", run_ids=[run.info.run_id]
+    )
     assert len(samples) == 4 and {"prompt", "response", "ground_truth", "score"} <= set(samples.columns)
     import mlflow
 
@@ -129,8 +159,9 @@ def test_a_colocated_reference_gives_the_separate_ones_kl(env):
     histories = {}
     for colocate in (False, True):
         name = f"coloc-{colocate}-{uuid.uuid4().hex[:6]}"
-        state, _ = run_flow("grpo", small_config(env, name, f"trainer.colocate_ref={str(colocate).lower()}",
-                                                 "actor.entropy_coeff=0.1"))  # the policy moves off the start
+        state, _ = run_flow(
+            "grpo", small_config(env, name, f"trainer.colocate_ref={str(colocate).lower()}", "actor.entropy_coeff=0.1")
+        )  # the policy moves off the start
         assert state.is_completed(), state.message
         client, run = mlflow_run(name)
         histories[colocate] = [m.value for m in client.get_metric_history(run.info.run_id, "actor/kl_loss")]
@@ -151,8 +182,14 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
     killed during generation. Each time the run replaces what died, restores the step-2 checkpoint and redoes the
     steps; it ends with the same weights."""
     base = f"faults-{uuid.uuid4().hex[:6]}"
-    overrides = ("trainer.total_steps=4", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.stage_timeout_s=15",
-                 "trainer.stage_timeout_s_per_sample=0", "trainer.max_restarts=4")
+    overrides = (
+        "trainer.total_steps=4",
+        "trainer.test_freq=0",
+        "trainer.save_freq=2",
+        "trainer.stage_timeout_s=15",
+        "trainer.stage_timeout_s_per_sample=0",
+        "trainer.max_restarts=4",
+    )
     clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
     config = small_config(env, f"{base}-faults", *overrides)
     injector = Injector([])
@@ -164,8 +201,11 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
     injector.plan = [
         (checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL),
         (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
-        (lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_log_prob"),
-         "ray::RewardWorker", signal.SIGKILL),  # once the run is training again
+        (
+            lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_log_prob"),
+            "ray::RewardWorker",
+            signal.SIGKILL,
+        ),  # once the run is training again
         (reward_replaced, "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGKILL),  # a 4th restart
     ]
     injector.start()
@@ -173,8 +213,7 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
         state, metrics = run_flow("grpo", config)
     finally:
         injector.stop()
-    assert [sig for _, _, sig in injector.done] == [signal.SIGKILL, signal.SIGSTOP, signal.SIGKILL,
-                                                      signal.SIGKILL]
+    assert [sig for _, _, sig in injector.done] == [signal.SIGKILL, signal.SIGSTOP, signal.SIGKILL, signal.SIGKILL]
     assert clean_state.is_completed() and state.is_completed()
 
     _, task_runs, artifacts = asyncio.run(prefect_view(state.state_details.flow_run_id))
@@ -226,17 +265,23 @@ def test_an_error_with_every_worker_alive_fails_at_once(env, tmp_path):
 def test_bad_model_or_data_fail_before_any_worker_or_mlflow_run(env, tmp_path):
     long_prompts = tmp_path / "prompts.jsonl"
     long_prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n' + '{"prompt": "' + "9" * 80 + '=", "answer": "1"}\n')
-    cases = [("model.path=/no/such/model", "model.path='/no/such/model': no such folder"),
-             (f"data.train_files=[{long_prompts}]", "prompts.jsonl line 2: the prompt has 82 tokens, more than "
-                                                     "data.max_prompt_length=16")]
+    cases = [
+        ("model.path=/no/such/model", "model.path='/no/such/model': no such folder"),
+        (
+            f"data.train_files=[{long_prompts}]",
+            "prompts.jsonl line 2: the prompt has 82 tokens, more than data.max_prompt_length=16",
+        ),
+    ]
     for override, message in cases:
         name = f"bad-input-{uuid.uuid4().hex[:6]}"
-        state = grpo.with_options(task_runner=ray_task_runner())(config=small_config(env, name, override),
-                                                               return_state=True)
+        state = grpo.with_options(task_runner=ray_task_runner())(
+            config=small_config(env, name, override), return_state=True
+        )
         assert state.is_failed() and message in state.message, state.message
         experiment = MlflowClient().get_experiment_by_name("rlflow")
-        assert not MlflowClient().search_runs([experiment.experiment_id],
-                                              filter_string=f"tags.`rlflow.run_name` = '{name}'")
+        assert not MlflowClient().search_runs(
+            [experiment.experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'"
+        )
 
 
 def test_tracking_servers_that_stop_answering_mid_run_are_waited_for(env, services):
@@ -278,14 +323,21 @@ def test_tracking_servers_that_stop_answering_mid_run_are_waited_for(env, servic
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [1, 2, 3, 4]
     _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
-    assert {t.name for t in task_runs if t.name.startswith("update_actor")} == {f"update_actor-step-{s}"
-                                                                                for s in (1, 2, 3, 4)}
+    assert {t.name for t in task_runs if t.name.startswith("update_actor")} == {
+        f"update_actor-step-{s}" for s in (1, 2, 3, 4)
+    }
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(env):
     name = f"corrupt-{uuid.uuid4().hex[:6]}"
-    config = small_config(env, name, "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=0",
-                          "trainer.keep_last_checkpoints=0")
+    config = small_config(
+        env,
+        name,
+        "trainer.total_steps=2",
+        "trainer.save_freq=1",
+        "trainer.test_freq=0",
+        "trainer.keep_last_checkpoints=0",
+    )
     data = config.data.model_copy(update={"train_batch_size": 16})
     state, _ = run_flow("sft", config.model_copy(update={"data": data}))
     assert state.is_completed()
@@ -294,8 +346,12 @@ def test_corrupt_checkpoint_falls_back_to_previous(env):
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 0xFF
     weights.write_bytes(bytes(raw))
-    resumed = config.model_copy(update={"trainer": config.trainer.model_copy(update={"total_steps": 3}),
-                                        "data": config.data.model_copy(update={"train_batch_size": 16})})
+    resumed = config.model_copy(
+        update={
+            "trainer": config.trainer.model_copy(update={"total_steps": 3}),
+            "data": config.data.model_copy(update={"train_batch_size": 16}),
+        }
+    )
     state, _ = run_flow("sft", resumed)
     assert state.is_completed()
     client, run = mlflow_run(name)
@@ -322,9 +378,14 @@ def test_invalid_config_fails_before_anything_starts(tmp_path):
         load_config("demo", ["actor.ppo_mini_batch_size=7"])
     with pytest.raises(ConfigError, match="trainer.nonexistent"):
         load_config("demo", ["trainer.nonexistent=1"])
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo",
-                             "rollout.temperature=0"], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", "rollout.temperature=0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert result.returncode == 2
     assert "rollout.temperature" in result.stdout + result.stderr
 
@@ -333,14 +394,26 @@ def test_runs_command_lists_runs_with_links(services):
     client = MlflowClient()
     experiment = client.get_experiment_by_name("rlflow") or client.get_experiment(client.create_experiment("rlflow"))
     name = f"listed-{uuid.uuid4().hex[:6]}"
-    run = client.create_run(experiment.experiment_id, run_name=name, tags={
-        "rlflow.run_name": name, "algorithm": "grpo", "prefect.flow_run_url": "http://127.0.0.1:1/runs/flow-run/abc"})
+    run = client.create_run(
+        experiment.experiment_id,
+        run_name=name,
+        tags={
+            "rlflow.run_name": name,
+            "algorithm": "grpo",
+            "prefect.flow_run_url": "http://127.0.0.1:1/runs/flow-run/abc",
+        },
+    )
     for step in (1, 2, 3):
         client.log_metric(run.info.run_id, "timing_s/step", 1.0, step=step)
-    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "400", "PREFECT_API_URL": services["PREFECT_API_URL"],
-           "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"]}
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "runs"], capture_output=True, text=True, cwd=ROOT,
-                            env=env, timeout=120)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "COLUMNS": "400",
+        "PREFECT_API_URL": services["PREFECT_API_URL"],
+        "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"],
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "runs"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if name in line)
     assert "grpo" in line and " 3 " in line and "http://127.0.0.1:1/runs/flow-run/abc" in line

@@ -37,6 +37,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     """Groups of units that all reach each other (strongly connected, more than one unit)."""
+
     def reachable(start: str) -> set[str]:
         seen, todo = set(), [start]
         while todo:

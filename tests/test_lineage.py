@@ -32,17 +32,31 @@ def env(ray_cluster, services, tmp_path_factory):
     rewards = tmp_path_factory.mktemp("rewards")
     for name, value in (("good", 0.6), ("worse", 0.3)):
         (rewards / f"{name}.py").write_text(
-            f"def score(prompts, responses, **columns):\n    return [{value}] * len(responses)\n")
+            f"def score(prompts, responses, **columns):\n    return [{value}] * len(responses)\n"
+        )
     return {"model": str(model), "runs": str(tmp_path_factory.mktemp("runs")), "rewards": rewards}
 
 
 def lineage_config(env, lineage: str, reward: str, *extra: str):
-    return load_config("demo-sft", [
-        f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.lineage={lineage}",
-        "trainer.run_name=null",  # the preset names a run; a lineage names each run itself
-        "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0", "data.train_batch_size=16",
-        "data.val_batch_size=8", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
-        "trainer.log_samples=0", f"reward.reward_fn={env['rewards'] / reward}.py:score", *extra])
+    return load_config(
+        "demo-sft",
+        [
+            f"model.path={env['model']}",
+            f"trainer.runs_dir={env['runs']}",
+            f"trainer.lineage={lineage}",
+            "trainer.run_name=null",  # the preset names a run; a lineage names each run itself
+            "trainer.total_steps=2",
+            "trainer.save_freq=2",
+            "trainer.test_freq=0",
+            "data.train_batch_size=16",
+            "data.val_batch_size=8",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+            "trainer.log_samples=0",
+            f"reward.reward_fn={env['rewards'] / reward}.py:score",
+            *extra,
+        ],
+    )
 
 
 def run_sft(config):
@@ -63,8 +77,9 @@ def lineage_runs(env):
 def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env, lineage_runs):
     lineage, _ = lineage_runs
     client = MlflowClient()
-    runs = client.search_runs([client.get_experiment_by_name(lineage).experiment_id],
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name(lineage).experiment_id], order_by=["attributes.start_time ASC"]
+    )
     assert len(runs) == 2
     one, two = runs
     assert one.info.run_name.startswith(f"{lineage}-") and one.info.run_name != two.info.run_name
@@ -94,8 +109,13 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
     assert result_two["decision"].startswith("v2 rejected")
 
     # `rlflow runs` shows the lineage, the parent and each version's fate.
-    listed = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "--lineage", lineage], capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+    listed = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "runs", "--lineage", lineage],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},
+    )
     assert listed.returncode == 0, listed.stderr
     rows = {line.split("│")[1].strip(): line for line in listed.stdout.splitlines() if line.count("│") > 3}
     line_two = rows[two.info.run_name]
@@ -105,16 +125,29 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
     # Running the complete first run again trains nothing, so it fails and says so; the run is left as it was.
     again = run_sft(lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}"))
     assert again.is_failed() and "already trained its 2 steps" in again.message
-    overrides = [f"model.path={env['model']}", f"trainer.runs_dir={env['runs']}", f"trainer.lineage={lineage}",
-                 f"trainer.run_name={one.info.run_name}", "trainer.total_steps=2", "data.train_batch_size=16",
-                 "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8"]
-    cli = subprocess.run([sys.executable, "-m", "flows.cli", "train", "sft", "--config", "demo-sft", *overrides],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "400"})
+    overrides = [
+        f"model.path={env['model']}",
+        f"trainer.runs_dir={env['runs']}",
+        f"trainer.lineage={lineage}",
+        f"trainer.run_name={one.info.run_name}",
+        "trainer.total_steps=2",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=16",
+        "actor.ppo_micro_batch_size_per_gpu=8",
+    ]
+    cli = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "sft", "--config", "demo-sft", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "400"},
+    )
     assert cli.returncode == 1 and "already trained its 2 steps" in cli.stdout, cli.stdout[-2000:]
     assert len(client.search_model_versions(f"name = '{lineage}'")) == 2  # nothing was published again
     # ... unless asked to: the same run publishes again as a new version, without training.
-    republished = run_sft(lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}",
-                                         "trainer.republish=true"))
+    republished = run_sft(
+        lineage_config(env, lineage, "good", f"trainer.run_name={one.info.run_name}", "trainer.republish=true")
+    )
     assert republished.is_completed(), republished.message
     assert [m.step for m in client.get_metric_history(one.info.run_id, "sft/loss")] == [1, 2]
     assert read_result(f"{env['runs']}/{one.info.run_name}")["model_version"] == "3"
@@ -167,8 +200,9 @@ def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_r
     lineage, states = lineage_runs
     flow_run_id = states[0].state_details.flow_run_id
     client = MlflowClient()
-    run = client.search_runs([client.get_experiment_by_name(lineage).experiment_id],
-                             order_by=["attributes.start_time ASC"])[0]
+    run = client.search_runs(
+        [client.get_experiment_by_name(lineage).experiment_id], order_by=["attributes.start_time ASC"]
+    )[0]
     with Browser(height=2400) as browser:  # tall enough that MLflow renders every metric section
         browser.open(f"{services['prefect_ui']}/runs/flow-run/{flow_run_id}", run.info.run_name)
         browser.click("Task Runs")

@@ -142,8 +142,12 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path):
 
 @pytest.mark.parametrize(
     ("line", "message"),
-    [('{"question": "x"}', "missing value for column 'prompt'"), ('{"prompt": 5}', "must be a string"),
-     ('{"prompt": "  "}', "is empty"), ('[1, 2]', "expected a JSON object")],
+    [
+        ('{"question": "x"}', "missing value for column 'prompt'"),
+        ('{"prompt": 5}', "must be a string"),
+        ('{"prompt": "  "}', "is empty"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
 )
 def test_jsonl_invalid_rows(tmp_path, line, message):
     path = tmp_path / "p.jsonl"
@@ -164,8 +168,11 @@ def test_prompts_longer_than_the_limit_are_named_before_training(tmp_path, tiny)
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "1+1="}\n\n{"prompt": "12345+67890="}\n{"prompt": "99+1="}\n')
     assert len(load_prompt_dataset(path, tokenizer=tokenizer, max_prompt_length=13)) == 3
-    with pytest.raises(ValueError, match=r"p\.jsonl line 3: the prompt has 13 tokens, more than "
-                                         r"data\.max_prompt_length=8 \(1 row\(s\) of this file"):
+    with pytest.raises(
+        ValueError,
+        match=r"p\.jsonl line 3: the prompt has 13 tokens, more than "
+        r"data\.max_prompt_length=8 \(1 row\(s\) of this file",
+    ):
         load_prompt_dataset(path, tokenizer=tokenizer, max_prompt_length=8)
     parquet = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "1+1="}, {"prompt": "123+456="}]), parquet)
@@ -274,7 +281,10 @@ def test_registered_rewards_and_data_source_defaults():
     assert reward_fn_for_data_source("addition") is exact
     auto = load_reward_fn("auto")
     scores = compute_scores(
-        auto, ["a", "b", "c"], ["2", "#### 3", "#### 4"], answer=["2", "3", "5"],
+        auto,
+        ["a", "b", "c"],
+        ["2", "#### 3", "#### 4"],
+        answer=["2", "3", "5"],
         data_source=["addition", "gsm8k", "openai/gsm8k"],
     )
     assert scores == [1.0, 1.0, 0.0]

@@ -43,8 +43,9 @@ def s3(tmp_path_factory):
     (the runs forward them to their Ray workers)."""
     port = _free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -57,8 +58,13 @@ def s3(tmp_path_factory):
             time.sleep(0.3)
     proxy = TcpProxy(port)
     proxy.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "AWS_MAX_ATTEMPTS": "2"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
+        "AWS_MAX_ATTEMPTS": "2",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     direct = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")  # the test's own view, never cut
@@ -86,8 +92,7 @@ def test_folders_round_trip_through_the_store(s3, tmp_path):
         for rel in ("config.json", "sub/weights.bin"):
             with open(f"{folder}/{rel}", "w") as f:
                 f.write(rel)
-    assert [k.split("/model/")[1] for k in _keys(s3, url.split(f"{BUCKET}/")[1])] == ["config.json",
-                                                                                         "sub/weights.bin"]
+    assert [k.split("/model/")[1] for k in _keys(s3, url.split(f"{BUCKET}/")[1])] == ["config.json", "sub/weights.bin"]
     with local_dir(url) as folder:
         assert open(f"{folder}/sub/weights.bin").read() == "sub/weights.bin"
     assert not os.path.exists(folder)  # a temporary copy
@@ -109,26 +114,42 @@ def test_checkpoints_commit_and_fall_back_on_the_store(s3):
     write_json(f"{partial}/trainer_state.json", {"step": 3})  # no manifest: the save did not finish
     assert [step for step, _ in list_checkpoints(root)] == [1, 2, 3]
     assert find_latest_checkpoint(root)[0] == f"{root}/step_2"
-    s3["client"].put_object(Bucket=BUCKET, Key=f"{root[len('s3://' + BUCKET) + 1:]}/step_2/trainer_state.json",
-                            Body=b'{"step": 99}')  # corrupted behind the run's back
+    s3["client"].put_object(
+        Bucket=BUCKET, Key=f"{root[len('s3://' + BUCKET) + 1 :]}/step_2/trainer_state.json", Body=b'{"step": 99}'
+    )  # corrupted behind the run's back
     assert find_latest_checkpoint(root)[0] == f"{root}/step_1"
     verify_checkpoint(f"{root}/step_1")
 
 
 def _config(runs: str, name: str, *extra: str):
-    return load_config("demo", [
-        f"trainer.runs_dir={runs}", f"trainer.run_name={name}", "trainer.total_steps=6", "trainer.save_freq=2",
-        "trainer.test_freq=0", "trainer.keep_last_checkpoints=2", "data.train_batch_size=8", "data.val_batch_size=8",
-        "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8", "trainer.log_samples=0",
-        *extra])
+    return load_config(
+        "demo",
+        [
+            f"trainer.runs_dir={runs}",
+            f"trainer.run_name={name}",
+            "trainer.total_steps=6",
+            "trainer.save_freq=2",
+            "trainer.test_freq=0",
+            "trainer.keep_last_checkpoints=2",
+            "data.train_batch_size=8",
+            "data.val_batch_size=8",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+            "trainer.log_samples=0",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
 def flows_env(ray_cluster, services, s3, tmp_path_factory):
     from rlworkers.models.tiny import ensure_tiny_model
 
-    return {"model": str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")),
-            "local_runs": str(tmp_path_factory.mktemp("runs"))}
+    return {
+        "model": str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")),
+        "local_runs": str(tmp_path_factory.mktemp("runs")),
+    }
 
 
 def _run(config):
@@ -158,8 +179,9 @@ def test_a_run_on_s3_survives_a_store_outage_mid_save_and_matches_a_local_run(fl
     finally:
         proxy.restore()
     assert failed.is_failed()
-    assert "could not save checkpoint" in failed.message and f"{name}/checkpoints/step_4" in failed.message, \
+    assert "could not save checkpoint" in failed.message and f"{name}/checkpoints/step_4" in failed.message, (
         failed.message
+    )
     assert f"{name}/checkpoints/step_2" in failed.message and "trainer.runs_dir" in failed.message
     root = f"{s3['url']}/runs/{name}/checkpoints"
     written = _keys(s3, prefix)
@@ -170,11 +192,13 @@ def test_a_run_on_s3_survives_a_store_outage_mid_save_and_matches_a_local_run(fl
     assert resumed.is_completed(), resumed.message
     assert [step for step, _ in list_checkpoints(root)] == [4, 6]  # retention, after each commit
     final = _keys(s3, f"runs/{name}/final_model/")
-    assert any(k.endswith("model.safetensors") for k in final) and any(k.endswith("tokenizer_config.json")
-                                                                         for k in final)
+    assert any(k.endswith("model.safetensors") for k in final) and any(
+        k.endswith("tokenizer_config.json") for k in final
+    )
     assert not any("actor_state" in k for k in final), final  # the model and tokenizer only
-    weights = load(s3["client"].get_object(Bucket=BUCKET, Key=f"runs/{name}/final_model/model.safetensors")
-                   ["Body"].read())
+    weights = load(
+        s3["client"].get_object(Bucket=BUCKET, Key=f"runs/{name}/final_model/model.safetensors")["Body"].read()
+    )
     with open(f"{runs_root(_config(flows_env['local_runs'], name))}/final_model/model.safetensors", "rb") as f:
         clean_weights = load(f.read())
     assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
@@ -182,15 +206,17 @@ def test_a_run_on_s3_survives_a_store_outage_mid_save_and_matches_a_local_run(fl
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    runs = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id],
-                              filter_string=f"tags.`rlflow.run_name` = '{name}'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("rlflow").experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'"
+    )
     logged = [r for r in runs if r.data.tags.get("final_model_uri")]
     assert len(logged) == 1, "the S3 run logs its final model to MLflow"
 
 
 def test_a_runs_dir_that_cannot_be_written_fails_before_anything_starts(flows_env, s3, tmp_path):
-    config = _config("s3://no-such-bucket-rlflow/runs", f"nobucket-{uuid.uuid4().hex[:6]}",
-                     f"model.path={flows_env['model']}")
+    config = _config(
+        "s3://no-such-bucket-rlflow/runs", f"nobucket-{uuid.uuid4().hex[:6]}", f"model.path={flows_env['model']}"
+    )
     state = _run(config)
     assert state.is_failed()
     assert "trainer.runs_dir='s3://no-such-bucket-rlflow/runs' cannot be written" in state.message, state.message
@@ -199,17 +225,25 @@ def test_a_runs_dir_that_cannot_be_written_fails_before_anything_starts(flows_en
     client = MlflowClient()
     experiment = client.get_experiment_by_name("rlflow")
     if experiment:  # no MLflow run was opened for it
-        assert not client.search_runs([experiment.experiment_id],
-                                      filter_string=f"tags.`rlflow.run_name` = '{config.trainer.run_name}'")
+        assert not client.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.`rlflow.run_name` = '{config.trainer.run_name}'"
+        )
 
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o755)  # owned by this user (root here): another user cannot write it
-    check = ("import os; from flows.config import load_config; from flows.runtime import check_runs_dir_writable; "
-             f"config = load_config('demo', ['trainer.runs_dir={read_only}']); "
-             "os.setgid(65534); os.setuid(65534); check_runs_dir_writable(config)")  # as user nobody
+    check = (
+        "import os; from flows.config import load_config; from flows.runtime import check_runs_dir_writable; "
+        f"config = load_config('demo', ['trainer.runs_dir={read_only}']); "
+        "os.setgid(65534); os.setuid(65534); check_runs_dir_writable(config)"
+    )  # as user nobody
     if os.geteuid() != 0:
         pytest.skip("needs root to run the check as another user")
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120,
-                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert result.returncode != 0
     assert f"trainer.runs_dir='{read_only}' cannot be written (PermissionError" in result.stderr, result.stderr[-2000:]

@@ -24,8 +24,23 @@ def installed(tmp_path_factory) -> Path:
     for package in ("flows", "rlworkers"):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(source)], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        timeout=120,
+    )
     return target
 
 
@@ -35,8 +50,10 @@ def run_outside_checkout(installed: Path, tmp_path: Path, *command: str) -> subp
 
 
 def test_installed_package_loads_the_demo_preset(installed, tmp_path):
-    probe = ("import flows.config as c; config = c.load_config('demo'); "
-             "print(c.__file__); print(config.trainer.run_name, config.rollout.n); c.load_config('no-such-preset')")
+    probe = (
+        "import flows.config as c; config = c.load_config('demo'); "
+        "print(c.__file__); print(config.trainer.run_name, config.rollout.n); c.load_config('no-such-preset')"
+    )
     result = run_outside_checkout(installed, tmp_path, sys.executable, "-c", probe)
     module_file, values = result.stdout.split("\n")[:2]
     assert Path(module_file).is_relative_to(installed)

@@ -130,8 +130,9 @@ def test_load_rejects_foreign_file(tmp_path):
 
 
 def test_pickle_moves_tensors_out_of_band():
-    data = DataProto.from_dict({"x": torch.randn(1000, 256), "m": torch.ones(1000, 256, dtype=torch.bfloat16)},
-                               {"uid": ["a"] * 1000})
+    data = DataProto.from_dict(
+        {"x": torch.randn(1000, 256), "m": torch.ones(1000, 256, dtype=torch.bfloat16)}, {"uid": ["a"] * 1000}
+    )
     buffers = []
     payload = pickle.dumps(data, protocol=5, buffer_callback=buffers.append)
     assert len(buffers) == 2  # one out-of-band buffer per tensor

@@ -38,8 +38,11 @@ def auto_padding_off(monkeypatch):
 
 
 def abc(meta=None):
-    return DataProto.from_dict({"obs": torch.tensor([[1, 2], [3, 4], [5, 6]])}, {"labels": ["a", "b", "c"]},
-                               meta_info=meta if meta is not None else {"info": "test_info"})
+    return DataProto.from_dict(
+        {"obs": torch.tensor([[1, 2], [3, 4], [5, 6]])},
+        {"labels": ["a", "b", "c"]},
+        meta_info=meta if meta is not None else {"info": "test_info"},
+    )
 
 
 def labels(data):
@@ -48,8 +51,10 @@ def labels(data):
 
 # ------------------------------------------------------------------------------------------------- imports/errors
 def test_import_from_package_is_lazy():
-    code = ("import sys, rlworkers; assert 'torch' not in sys.modules; "
-            "from rlworkers import DataProto; from rlworkers.protocol import DataProto as P; assert DataProto is P")
+    code = (
+        "import sys, rlworkers; assert 'torch' not in sys.modules; "
+        "from rlworkers import DataProto; from rlworkers.protocol import DataProto as P; assert DataProto is P"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -78,8 +83,12 @@ def test_union_numpy_dict_nan_dtype_shape_and_nesting():
     merged = union_numpy_dict({"b": nan_and_string}, {"b": nan_and_string.copy(), "c": np.arange(4)})
     assert list(merged) == ["b", "c"]
     union_numpy_dict({"a": np.array([1.0, np.nan, 3.0])}, {"a": np.array([1.0, np.nan, 3.0])})
-    for different in (np.array([1.0, 2.0, 3.0]), np.array([np.nan, 1.0, 3.0]), np.array([1, 2, 3]),
-                      np.array([[1.0, np.nan, 3.0]])):
+    for different in (
+        np.array([1.0, 2.0, 3.0]),
+        np.array([np.nan, 1.0, 3.0]),
+        np.array([1, 2, 3]),
+        np.array([[1.0, np.nan, 3.0]]),
+    ):
         with pytest.raises(AssertionError, match="'a' differs"):
             union_numpy_dict({"a": np.array([1.0, np.nan, 3.0])}, {"a": different})
     cube = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
@@ -128,16 +137,23 @@ def test_len_including_empty_and_none_non_tensor_batch():
 
 
 def test_lists_become_one_object_per_row_and_arrays_are_kept():
-    data = DataProto.from_dict(non_tensors={"msgs": [[{"role": "user"}], [{"role": "user"}]],
-                                            "grid": np.arange(6).reshape(2, 3)})
+    data = DataProto.from_dict(
+        non_tensors={"msgs": [[{"role": "user"}], [{"role": "user"}]], "grid": np.arange(6).reshape(2, 3)}
+    )
     assert data.non_tensor_batch["msgs"].shape == (2,) and data.non_tensor_batch["msgs"][0] == [{"role": "user"}]
     assert data.non_tensor_batch["grid"].shape == (2, 3) and data.non_tensor_batch["grid"].dtype == np.int64
 
 
 def test_indexing_keeps_an_int_batch_size():
     data = DataProto.from_dict({"obs": torch.randn(4, 4)}, {"labels": [f"l{i}" for i in range(4)]})
-    for index in (np.array([True, False, True, False]), np.array([0, 2]), [True, False, True, False], [0, 2],
-                  torch.tensor([True, False, True, False]), torch.tensor([0, 2])):
+    for index in (
+        np.array([True, False, True, False]),
+        np.array([0, 2]),
+        [True, False, True, False],
+        [0, 2],
+        torch.tensor([True, False, True, False]),
+        torch.tensor([0, 2]),
+    ):
         selected = data[index]
         assert selected.batch.batch_size == torch.Size([2]) and labels(selected) == ["l0", "l2"]
 
@@ -200,8 +216,9 @@ def test_pad_to_divisor_repeats_leading_rows(divisor, pad, expected):
 
 
 def test_chunk_concat_round_trip():
-    data = DataProto.from_dict({"obs": torch.tensor([1, 2, 3, 4, 5, 6])}, {"labels": list("abcdef")},
-                               meta_info={"name": "abdce"})
+    data = DataProto.from_dict(
+        {"obs": torch.tensor([1, 2, 3, 4, 5, 6])}, {"labels": list("abcdef")}, meta_info={"name": "abdce"}
+    )
     with pytest.raises(AssertionError):
         data.chunk(5)
     first, second = data.chunk(2)
@@ -214,8 +231,10 @@ def test_chunk_concat_round_trip():
 
 # ---------------------------------------------------------------------------------------------- concat meta
 def two(meta1, meta2):
-    return [DataProto.from_dict({"obs": torch.tensor([1, 2])}, meta_info=meta1),
-            DataProto.from_dict({"obs": torch.tensor([3, 4])}, meta_info=meta2)]
+    return [
+        DataProto.from_dict({"obs": torch.tensor([1, 2])}, meta_info=meta1),
+        DataProto.from_dict({"obs": torch.tensor([3, 4])}, meta_info=meta2),
+    ]
 
 
 def test_concat_gathers_metrics_into_a_dict_of_lists():
@@ -256,8 +275,9 @@ def test_list_of_dict_to_dict_of_list():
 
 # ------------------------------------------------------------------------------------------------ row ops
 def test_reorder_pop_repeat():
-    data = DataProto.from_dict({"obs": torch.tensor([1, 2, 3, 4, 5, 6])}, {"labels": list("abcdef")},
-                               meta_info={"name": "abdce", "2": 2})
+    data = DataProto.from_dict(
+        {"obs": torch.tensor([1, 2, 3, 4, 5, 6])}, {"labels": list("abcdef")}, meta_info={"name": "abdce", "2": 2}
+    )
     data.reorder(torch.tensor([3, 4, 2, 0, 1, 5]))
     assert data.batch["obs"].tolist() == [4, 5, 3, 1, 2, 6] and labels(data) == list("decabf")
     popped = data.pop(batch_keys=["obs"], meta_info_keys=["2"])
@@ -268,8 +288,12 @@ def test_reorder_pop_repeat():
 
 def test_sample_level_repeat():
     data = abc()
-    for counts, expected in (([3, 1, 2], "aaabcc"), ((1, 2, 3), "abbccc"), (torch.tensor([0, 2, 1]), "bbc"),
-                             (np.array([1, 0, 0]), "a")):
+    for counts, expected in (
+        ([3, 1, 2], "aaabcc"),
+        ((1, 2, 3), "abbccc"),
+        (torch.tensor([0, 2, 1]), "bbc"),
+        (np.array([1, 0, 0]), "a"),
+    ):
         repeated = data.sample_level_repeat(counts)
         assert labels(repeated) == list(expected) and repeated.meta_info == {"info": "test_info"}
         assert repeated.batch["obs"][:, 0].tolist() == [{"a": 1, "b": 3, "c": 5}[c] for c in expected]
@@ -306,7 +330,13 @@ def test_unfold_column_chunks():
     pairs = torch.arange(1, 13).repeat_interleave(2).reshape(3, 4, 2)  # row r: [[4r+1]*2, ..., [4r+4]*2]
     ret = DataProto.from_dict({"obs1": pairs}).unfold_column_chunks(2, split_keys=["obs1"])
     assert ret.batch["obs1"].shape == (6, 2, 2) and ret.batch["obs1"][:, :, 0].tolist() == [
-        [1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
+        [1, 2],
+        [3, 4],
+        [5, 6],
+        [7, 8],
+        [9, 10],
+        [11, 12],
+    ]
     assert labels(DataProto.from_dict(non_tensors={"labels": list("ab")}).unfold_column_chunks(3)) == list("aaabbb")
 
 
@@ -339,11 +369,17 @@ def test_collate_fn_stacks_rows():
 def test_to_tensordict_and_back_with_nested_data():
     turn_scores = [[], [0.5], [0.8, 0.9], [0.7]]
     extra = [{"acc": 1.0}, {"acc": 0.5}, {"acc": 1.0}, {"acc": 0.0}]
-    prompts = [[{"content": "Q1", "role": "user"}], [{"content": "Q2", "role": "user"}],
-               [{"content": "Q3", "role": "user"}, {"content": "A3", "role": "assistant"}], [{"content": "Q4"}]]
-    data = DataProto.from_dict({"obs": torch.tensor([1, 2, 3, 4])},
-                               {"labels": list("abcd"), "turn_scores": turn_scores, "extra": extra, "raw": prompts},
-                               meta_info={"experiment": "nested", "steps": [1, 2]})
+    prompts = [
+        [{"content": "Q1", "role": "user"}],
+        [{"content": "Q2", "role": "user"}],
+        [{"content": "Q3", "role": "user"}, {"content": "A3", "role": "assistant"}],
+        [{"content": "Q4"}],
+    ]
+    data = DataProto.from_dict(
+        {"obs": torch.tensor([1, 2, 3, 4])},
+        {"labels": list("abcd"), "turn_scores": turn_scores, "extra": extra, "raw": prompts},
+        meta_info={"experiment": "nested", "steps": [1, 2]},
+    )
     td = data.to_tensordict()
     assert td["obs"].tolist() == [1, 2, 3, 4] and td["labels"] == list("abcd") and td["experiment"] == "nested"
     assert list(td["turn_scores"][2]) == [0.8, 0.9] and dict(td["extra"][1]) == {"acc": 0.5}
@@ -371,14 +407,26 @@ def test_serialize_single_tensor_round_trip():
 
 # ------------------------------------------------------------------------------------------------- reporting
 def test_get_data_info_and_print_size():
-    data = DataProto.from_dict({"obs": torch.zeros(2, 3)}, {"uid": ["a", "b"]},
-                               meta_info={"steps": [1, 2], "cfg": {"lr": 0.1}, "pair": (1, "x")})
-    assert data.get_data_info() == "\n".join([
-        "batch", "  obs: (2, 3) (torch.float32) cpu",
-        "non_tensor_batch", "  uid: ndarray(2,) (object)",
-        "meta_info", "  steps: list[int]", "  cfg: dict[str: float]", "  pair: tuple(int, str)"])
-    assert data.print_size("step 1") == (f"step 1, Size of tensordict: {24 / 1024**3} GB, "
-                                         f"size of non_tensor_batch: {16 / 1024**3} GB")
+    data = DataProto.from_dict(
+        {"obs": torch.zeros(2, 3)},
+        {"uid": ["a", "b"]},
+        meta_info={"steps": [1, 2], "cfg": {"lr": 0.1}, "pair": (1, "x")},
+    )
+    assert data.get_data_info() == "\n".join(
+        [
+            "batch",
+            "  obs: (2, 3) (torch.float32) cpu",
+            "non_tensor_batch",
+            "  uid: ndarray(2,) (object)",
+            "meta_info",
+            "  steps: list[int]",
+            "  cfg: dict[str: float]",
+            "  pair: tuple(int, str)",
+        ]
+    )
+    assert data.print_size("step 1") == (
+        f"step 1, Size of tensordict: {24 / 1024**3} GB, size of non_tensor_batch: {16 / 1024**3} GB"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -396,8 +444,10 @@ def test_all_gather_data_proto_gives_every_rank_all_rows_in_rank_order(tmp_path)
     context = torch.multiprocessing.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
-        procs = [context.Process(target=_gather_on_rank, args=(rank, 2, str(tmp_path / "init"), results))
-                 for rank in range(2)]
+        procs = [
+            context.Process(target=_gather_on_rank, args=(rank, 2, str(tmp_path / "init"), results))
+            for rank in range(2)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:

@@ -41,8 +41,14 @@ class Worker:
 
     def start(self) -> None:
         with open(self.log, "a") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=self.env, cwd=ROOT,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "worker"],
+                env=self.env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         os.killpg(self.process.pid, sig)
@@ -56,26 +62,37 @@ class Worker:
 @pytest.fixture(scope="module")
 def worker(services, tmp_path_factory):
     home = tmp_path_factory.mktemp("schedule")
-    env = {**os.environ, "PREFECT_API_URL": services["PREFECT_API_URL"],
-           "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"], "PYTHONPATH": str(ROOT)}
-    deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": services["PREFECT_API_URL"],
+        "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"],
+        "PYTHONPATH": str(ROOT),
+    }
+    deployed = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     assert "rlflow: restart crashed runs" in deployed.stdout
     process = Worker(env, home / "worker.log")
     process.start()
-    yield {"model": str(ensure_tiny_model(home / "tiny")), "runs": str(home / "runs"), "log": home / "worker.log",
-           "process": process}
+    yield {
+        "model": str(ensure_tiny_model(home / "tiny")),
+        "runs": str(home / "runs"),
+        "log": home / "worker.log",
+        "process": process,
+    }
     process.stop()
 
 
 def sft_params(worker, **trainer):
-    return {"config": {
-        "model": {"path": worker["model"]},
-        "data": {"train_batch_size": 16, "val_batch_size": 8},
-        "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1.0e-3}},
-        "trainer": {"runs_dir": worker["runs"], "test_freq": 0, "log_samples": 0, "ray_num_cpus": 8, **trainer},
-    }}
+    return {
+        "config": {
+            "model": {"path": worker["model"]},
+            "data": {"train_batch_size": 16, "val_batch_size": 8},
+            "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1.0e-3}},
+            "trainer": {"runs_dir": worker["runs"], "test_freq": 0, "log_samples": 0, "ray_num_cpus": 8, **trainer},
+        }
+    }
 
 
 def trigger(parameters: dict):
@@ -104,10 +121,13 @@ def wait_final(flow_run_id, worker, timeout_s: float = 420):
         time.sleep(2)
     with get_client(sync_client=True) as client:
         states = sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)
-    history = "\n".join(f"  {s.timestamp:%H:%M:%S.%f} {s.type.value} {s.name!r}: {(s.message or '')[:150]}"
-                        for s in states)
-    raise AssertionError(f"flow run {flow_run_id} not final after {timeout_s} s: {flow_run.state}\n"
-                         f"state history:\n{history}\nworker log:\n{Path(worker['log']).read_text()[-4000:]}")
+    history = "\n".join(
+        f"  {s.timestamp:%H:%M:%S.%f} {s.type.value} {s.name!r}: {(s.message or '')[:150]}" for s in states
+    )
+    raise AssertionError(
+        f"flow run {flow_run_id} not final after {timeout_s} s: {flow_run.state}\n"
+        f"state history:\n{history}\nworker log:\n{Path(worker['log']).read_text()[-4000:]}"
+    )
 
 
 def test_two_triggers_of_a_lineage_queue_and_chain(worker):
@@ -152,8 +172,9 @@ def wait_for_checkpoint(worker, run_name: str, step: int, timeout_s: float = 300
 def _flow_run_process(flow_run_id) -> psutil.Process | None:
     for process in psutil.process_iter(["pid"]):
         try:
-            if process.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id) and \
-                    "prefect.engine" in " ".join(process.cmdline()):
+            if process.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id) and "prefect.engine" in " ".join(
+                process.cmdline()
+            ):
                 return process
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -202,8 +223,11 @@ def test_run_lost_with_its_worker_is_marked_crashed_restarted_and_capped(worker)
     """The worker and the flow run die together (a machine going away): only the heartbeats can tell. With
     trainer.max_crash_restarts=0 the restarted attempt must end Failed, saying why, instead of training."""
     uid = uuid.uuid4().hex[:6]
-    lost = trigger(sft_params(worker, run_name=f"lost-{uid}", total_steps=400, save_freq=100,
-                              max_crash_restarts=0, log_model=False))
+    lost = trigger(
+        sft_params(
+            worker, run_name=f"lost-{uid}", total_steps=400, save_freq=100, max_crash_restarts=0, log_model=False
+        )
+    )
     wait_for_checkpoint(worker, f"lost-{uid}", 100)
     engine = _flow_run_process(lost.id)
     worker["process"].stop(signal.SIGKILL)  # the worker's session: the worker and the flow-run process

@@ -67,8 +67,12 @@ def _pids_with_args(*args: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    config = ServiceConfig(state_dir=tmp_path_factory.mktemp("rlflow_home"), prefect_port=_free_port(),
-                           mlflow_port=_free_port(), startup_timeout_s=120)
+    config = ServiceConfig(
+        state_dir=tmp_path_factory.mktemp("rlflow_home"),
+        prefect_port=_free_port(),
+        mlflow_port=_free_port(),
+        startup_timeout_s=120,
+    )
     started = time.monotonic()
     try:
         urls = start_services(config)
@@ -137,8 +141,18 @@ def test_status_and_cli_report_healthy_services(services):
     runner = CliRunner()
     result = runner.invoke(server_app, ["status", "--state-dir", str(config.state_dir)])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(server_app, ["up", "--state-dir", str(config.state_dir), "--prefect-port",
-                                        str(config.prefect_port), "--mlflow-port", str(config.mlflow_port)])
+    result = runner.invoke(
+        server_app,
+        [
+            "up",
+            "--state-dir",
+            str(config.state_dir),
+            "--prefect-port",
+            str(config.prefect_port),
+            "--mlflow-port",
+            str(config.mlflow_port),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"source {config.state_dir / 'env.sh'}" in result.output.replace("\n", "")
 
@@ -233,8 +247,9 @@ def test_port_conflict_names_the_port_and_the_option(tmp_path):
 
 
 def test_failed_start_stops_what_it_started(tmp_path):
-    config = ServiceConfig(state_dir=tmp_path / "state", prefect_port=_free_port(), mlflow_port=_free_port(),
-                           startup_timeout_s=0.5)
+    config = ServiceConfig(
+        state_dir=tmp_path / "state", prefect_port=_free_port(), mlflow_port=_free_port(), startup_timeout_s=0.5
+    )
     expected = r"did not answer .* within 0.5 s \(ServiceConfig.startup_timeout_s\)\. Last lines of"
     with pytest.raises(ServiceError, match=expected):
         start_services(config)

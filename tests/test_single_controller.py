@@ -50,8 +50,13 @@ class Echo(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def whoami(self, tag=None):
-        return {"rank": self.rank, "world": self.world_size, "tag": tag, "pid": os.getpid(),
-                "master": self.get_master_addr_port()}
+        return {
+            "rank": self.rank,
+            "world": self.world_size,
+            "tag": tag,
+            "pid": os.getpid(),
+            "master": self.get_master_addr_port(),
+        }
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def echo(self, value):
@@ -63,9 +68,11 @@ class Echo(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def double(self, data: DataProto) -> DataProto:
-        out = DataProto.from_dict({"x": data.batch["x"] * 2 * self.scale},
-                                  {"uid": data.non_tensor_batch["uid"]},
-                                  meta_info={"metrics": {"rows": len(data)}})
+        out = DataProto.from_dict(
+            {"x": data.batch["x"] * 2 * self.scale},
+            {"uid": data.non_tensor_batch["uid"]},
+            meta_info={"metrics": {"rows": len(data)}},
+        )
         out.non_tensor_batch["rank"] = np.array([self.rank] * len(data), dtype=object)
         return out
 
@@ -118,8 +125,10 @@ class Summer(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def add_one(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict({"x": data.batch["x"] + 1}, {"uid": data.non_tensor_batch["uid"],
-                                                                 "by": np.array([self.rank] * len(data), dtype=object)})
+        return DataProto.from_dict(
+            {"x": data.batch["x"] + 1},
+            {"uid": data.non_tensor_batch["uid"], "by": np.array([self.rank] * len(data), dtype=object)},
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self):
@@ -288,8 +297,9 @@ def test_chained_future_moves_each_chunk_once(ray_cluster, echo_group):
 
 def test_colocated_roles_share_one_process(ray_cluster):
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    colocated = create_colocated_worker_cls({"echo": RayClassWithInitArgs(cls=Echo, scale=3),
-                                             "summer": RayClassWithInitArgs(cls=Summer)})
+    colocated = create_colocated_worker_cls(
+        {"echo": RayClassWithInitArgs(cls=Echo, scale=3), "summer": RayClassWithInitArgs(cls=Summer)}
+    )
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated)
     try:
         roles = group.spawn(prefix_set={"echo", "summer"})
@@ -319,8 +329,9 @@ def test_a_group_binds_its_own_rendezvous_whatever_its_processes_inherit(ray_clu
     stale = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
     inherited = RayClassWithInitArgs(cls=Distributed)
-    inherited.update_options({"runtime_env": {"env_vars": {"MASTER_ADDR": "127.0.0.1",
-                                                           "MASTER_PORT": str(stale.port)}}})
+    inherited.update_options(
+        {"runtime_env": {"env_vars": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(stale.port)}}}
+    )
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=inherited)
     try:
         ports = {port for _, port in group.execute_all_sync("get_master_addr_port")}
@@ -348,8 +359,9 @@ def test_busy_pool_times_out_naming_free_resources(ray_cluster):
     holder.get_placement_groups()
     try:
         # fits the cluster on paper, but the holder keeps one CPU busy: it can only wait
-        waiting = RayResourcePool([1], use_gpu=False, max_colocate_count=1, cpus_per_worker=total,
-                                  placement_timeout_s=2)
+        waiting = RayResourcePool(
+            [1], use_gpu=False, max_colocate_count=1, cpus_per_worker=total, placement_timeout_s=2
+        )
         with pytest.raises(PlacementError, match="not placed within 2s.*free now"):
             waiting.get_placement_groups()
     finally:

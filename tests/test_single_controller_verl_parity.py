@@ -33,8 +33,14 @@ from rlworkers.single_controller.ray import (
 @pytest.fixture
 def worker_env(monkeypatch):
     """Worker() in this process: a rank of a world of 2 whose rendezvous is elsewhere (nothing is bound)."""
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "12345",
-                       "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "12345",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }.items():
         monkeypatch.setenv(key, value)
 
 
@@ -49,8 +55,10 @@ def test_get_set_dispatch_collect(worker_env):
     outer.set_dispatch_collect(mesh_name="actor", **actor.get_dispatch_collect())
     assert outer._query_dispatch_info("ref") == 0 and outer._query_collect_info("ref") is True
     assert outer._query_dispatch_info("actor") == 1 and outer.query_collect_info("actor") is False
-    assert outer.get_dispatch_collect() == {"dispatch_dp_rank": {"ref": 0, "actor": 1},
-                                            "collect_dp_rank": {"ref": True, "actor": False}}
+    assert outer.get_dispatch_collect() == {
+        "dispatch_dp_rank": {"ref": 0, "actor": 1},
+        "collect_dp_rank": {"ref": True, "actor": False},
+    }
 
     with pytest.raises(ValueError, match="'actor' is already registered"):  # verl: AssertionError
         outer.set_dispatch_collect(mesh_name="actor", **actor.get_dispatch_collect())
@@ -79,8 +87,11 @@ class MeshWorker(Worker):
         self.train_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         infer_dp, infer_tp = self.infer_mesh["dp"].get_local_rank(), self.infer_mesh["tp"].get_local_rank()
         self._register_dispatch_collect_info("infer", dp_rank=infer_dp, is_collect=infer_tp == 0)
-        self._register_dispatch_collect_info("train", dp_rank=self.train_mesh["dp"].get_local_rank(),
-                                             is_collect=self.train_mesh["pp"].get_local_rank() == 1)
+        self._register_dispatch_collect_info(
+            "train",
+            dp_rank=self.train_mesh["dp"].get_local_rank(),
+            is_collect=self.train_mesh["pp"].get_local_rank() == 1,
+        )
         self._register_dispatch_collect_info("reversed", dp_rank=1 - infer_dp, is_collect=infer_tp == 0)
         self._register_dispatch_collect_info("every_rank_collects", dp_rank=infer_dp, is_collect=True)
 
@@ -119,8 +130,9 @@ def proto(values) -> DataProto:
 @pytest.fixture(scope="module")
 def mesh_group(ray_cluster):
     pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=MeshWorker),
-                           device_name="cpu")
+    group = RayWorkerGroup(
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=MeshWorker), device_name="cpu"
+    )
     yield group
     group.shutdown()
     pool.remove()
@@ -208,8 +220,9 @@ class Scorer(Worker):
 
 def test_spawned_roles_keep_their_own_mesh_registry(ray_cluster):
     pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
-    colocated = create_colocated_worker_cls({"trainer": RayClassWithInitArgs(cls=Trainer),
-                                             "scorer": RayClassWithInitArgs(cls=Scorer)})
+    colocated = create_colocated_worker_cls(
+        {"trainer": RayClassWithInitArgs(cls=Trainer), "scorer": RayClassWithInitArgs(cls=Scorer)}
+    )
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated)
     try:
         roles = group.spawn(prefix_set={"trainer", "scorer"})
@@ -243,8 +256,9 @@ class Subtracter(Worker):
         return self.get_fused_worker_by_name("actor").add(x)
 
 
-FusedBase = create_colocated_worker_raw_cls({"actor": RayClassWithInitArgs(cls=ray.remote(Adder)),
-                                             "critic": RayClassWithInitArgs(cls=Subtracter, val=10)})
+FusedBase = create_colocated_worker_raw_cls(
+    {"actor": RayClassWithInitArgs(cls=ray.remote(Adder)), "critic": RayClassWithInitArgs(cls=Subtracter, val=10)}
+)
 
 
 @ray.remote
@@ -278,9 +292,15 @@ class EnvWorker(Worker):
 
 def test_worker_environment_is_verls(ray_cluster):
     pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(pool, RayClassWithInitArgs(cls=EnvWorker), name_prefix="env_test_", use_gpu=False,
-                           worker_env={"test_key": "test_value"})
+    group = RayWorkerGroup(
+        pool,
+        RayClassWithInitArgs(cls=EnvWorker),
+        name_prefix="env_test_",
+        use_gpu=False,
+        worker_env={"test_key": "test_value"},
+    )
     try:
+
         def env(key):
             return group.execute_all_sync("getenv", key)
 
@@ -299,16 +319,20 @@ def test_worker_environment_is_verls(ray_cluster):
 @pytest.mark.parametrize("key", ["WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE", "MASTER_PORT", "WG_BACKEND"])
 def test_worker_env_may_not_override_the_groups_keys(key):
     with pytest.raises(ValueError, match=key):
-        RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker),
-                       worker_env={key: "100"})
+        RayWorkerGroup(
+            RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), worker_env={key: "100"}
+        )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"use_gpu": True}, "use_gpu=True needs a resource pool with GPUs"),
-    ({"device_name": "npu"}, "device_name='npu' is not supported"),
-    ({"master_addr": "10.0.0.1", "master_port": "29500"}, "cannot be pinned"),
-    ({"profile_steps": [1], "worker_nsight_options": {}}, "nsight profiling"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"use_gpu": True}, "use_gpu=True needs a resource pool with GPUs"),
+        ({"device_name": "npu"}, "device_name='npu' is not supported"),
+        ({"master_addr": "10.0.0.1", "master_port": "29500"}, "cannot be pinned"),
+        ({"profile_steps": [1], "worker_nsight_options": {}}, "nsight profiling"),
+    ],
+)
 def test_verl_keywords_rlflow_does_not_support_name_themselves(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(cls=EnvWorker), **kwargs)
@@ -332,13 +356,21 @@ class AddWorker(Worker):
 def run_add(pools_and_rows: list[tuple], worker_id_step: int = 100) -> list[tuple[int, list[str], list[int]]]:
     """Start one AddWorker group per pool (worker ids 0, 100, 200...), all alive together, then call ``add`` on
     ``rows`` zeros each: ``(world size, where each rank runs as "pg:bundle", the rows)`` per group."""
-    groups = [RayWorkerGroup(resource_pool=pool,
-                             ray_cls_with_init=RayClassWithInitArgs(cls=AddWorker, worker_id=i * worker_id_step))
-              for i, (pool, _) in enumerate(pools_and_rows)]
+    groups = [
+        RayWorkerGroup(
+            resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=AddWorker, worker_id=i * worker_id_step)
+        )
+        for i, (pool, _) in enumerate(pools_and_rows)
+    ]
     try:
-        return [(group.world_size, [name.rsplit("_", 1)[1] for name in group.worker_names],
-                 group.add(proto([0] * rows)).batch["a"].tolist())
-                for group, (_, rows) in zip(groups, pools_and_rows)]
+        return [
+            (
+                group.world_size,
+                [name.rsplit("_", 1)[1] for name in group.worker_names],
+                group.add(proto([0] * rows)).batch["a"].tolist(),
+            )
+            for group, (_, rows) in zip(groups, pools_and_rows)
+        ]
     finally:
         for group in groups:
             group.shutdown()
@@ -380,15 +412,24 @@ def test_split_resource_pool_twice(ray_cluster):
     middle_first, middle_second = split_resource_pool(middle, split_size=1)
     try:
         results = run_add([(first, 2), (middle_first, 2), (middle_second, 2), (last, 2)])
-        assert results == [(1, ["0:0"], [0, 0]), (1, ["0:1"], [100, 100]), (1, ["0:2"], [200, 200]),
-                           (1, ["0:3"], [300, 300])]
+        assert results == [
+            (1, ["0:0"], [0, 0]),
+            (1, ["0:1"], [100, 100]),
+            (1, ["0:2"], [200, 200]),
+            (1, ["0:3"], [300, 300]),
+        ]
     finally:
         pool.remove()
 
 
-@pytest.mark.parametrize("split_size, message", [(3, "must divide the pool's world size 4"),
-                                                 ([1, 2], "summing to the pool's world size 4"),
-                                                 ([4, 0], "must be positive sizes")])
+@pytest.mark.parametrize(
+    "split_size, message",
+    [
+        (3, "must divide the pool's world size 4"),
+        ([1, 2], "summing to the pool's world size 4"),
+        ([4, 0], "must be positive sizes"),
+    ],
+)
 def test_split_sizes_that_do_not_fit_name_the_world_size(split_size, message):
     with pytest.raises(ValueError, match=message):
         split_resource_pool(cpu_pool([2, 2]), split_size=split_size)
@@ -410,17 +451,22 @@ def test_merge_resource_pool_needs_equal_options():
 
 
 def test_resource_pool_manager_gives_each_role_its_pool(ray_cluster):
-    manager = ResourcePoolManager(resource_pool_spec={"global_pool": [2, 1], "reward_pool": [1]},
-                                  mapping={"actor": "global_pool", "critic": "global_pool", "reward": "reward_pool"},
-                                  use_gpu=False, max_colocate_count=2)
+    manager = ResourcePoolManager(
+        resource_pool_spec={"global_pool": [2, 1], "reward_pool": [1]},
+        mapping={"actor": "global_pool", "critic": "global_pool", "reward": "reward_pool"},
+        use_gpu=False,
+        max_colocate_count=2,
+    )
     manager.create_resource_pool()
     actor_pool = manager.get_resource_pool("actor")
     try:
         assert manager.get_n_gpus() == 4
         assert actor_pool is manager.get_resource_pool("critic") is manager.resource_pool_dict["global_pool"]
         # actor and critic share the global pool's 3 bundles (max_colocate_count=2); the reward model has its own
-        assert run_add([(actor_pool, 3), (manager.get_resource_pool("critic"), 3),
-                        (manager.get_resource_pool("reward"), 1)], worker_id_step=10) == [
+        assert run_add(
+            [(actor_pool, 3), (manager.get_resource_pool("critic"), 3), (manager.get_resource_pool("reward"), 1)],
+            worker_id_step=10,
+        ) == [
             (3, ["0:0", "0:1", "1:0"], [0, 1, 2]),
             (3, ["0:0", "0:1", "1:0"], [10, 11, 12]),
             (1, ["0:0"], [20]),
@@ -444,8 +490,9 @@ def test_placement_groups_are_ordered_by_node_ip(monkeypatch):
     from rlworkers.single_controller.ray import base
 
     node_ips = {"node-a": "10.0.0.3", "node-b": "10.0.0.1", "node-c": "10.0.0.2"}
-    monkeypatch.setattr(base.ray, "nodes", lambda: [{"NodeID": node, "NodeManagerAddress": ip}
-                                                    for node, ip in node_ips.items()])
+    monkeypatch.setattr(
+        base.ray, "nodes", lambda: [{"NodeID": node, "NodeManagerAddress": ip} for node, ip in node_ips.items()]
+    )
     # a fake placement group is the name of its node; groups on the same node keep their order
     monkeypatch.setattr(base, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: pg.split("/")[0]}})
     pgs = ["node-a/0", "node-b/0", "node-c/0", "node-b/1"]

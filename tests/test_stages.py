@@ -30,9 +30,21 @@ def test_a_stage_that_returns_a_batch_records_its_time_in_meta_info(monkeypatch)
 
 def test_the_update_reports_its_time_beside_those_its_batch_carries(monkeypatch):
     batch = DataProto.from_dict({"input_ids": torch.zeros(2, 3)})
-    batch.meta_info.update({"timing_s/gen": 2.5, "timing_s/adv": 0.25, "data_metrics": {"critic/score/mean": 0.5},
-                            "kl_ctrl_state": {"value": 0.1}})
+    batch.meta_info.update(
+        {
+            "timing_s/gen": 2.5,
+            "timing_s/adv": 0.25,
+            "data_metrics": {"critic/score/mean": 0.5},
+            "kl_ctrl_state": {"value": 0.1},
+        }
+    )
     _clock(monkeypatch, 100.0, 101.0)
     result = update_actor.fn(StandInActor(), batch, step=1)
-    assert result == {"actor/pg_loss": 2.0, "critic/score/mean": 0.5, "kl_ctrl_state": {"value": 0.1},
-                      "timing_s/gen": 2.5, "timing_s/adv": 0.25, "timing_s/update_actor": 1.0}
+    assert result == {
+        "actor/pg_loss": 2.0,
+        "critic/score/mean": 0.5,
+        "kl_ctrl_state": {"value": 0.1},
+        "timing_s/gen": 2.5,
+        "timing_s/adv": 0.25,
+        "timing_s/update_actor": 1.0,
+    }

@@ -23,8 +23,9 @@ SFT_STEPS = 700
 
 def actor_group(config: dict, role: str):
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-        cls=ActorRolloutRefWorker, config=config, role=role))
+    group = RayWorkerGroup(
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ActorRolloutRefWorker, config=config, role=role)
+    )
     group.init_model()
     return group, pool
 
@@ -32,16 +33,19 @@ def actor_group(config: dict, role: str):
 def greedy_accuracy(group, reward, tokenizer, rows) -> float:
     batch = prompt_batch(rows, tokenizer)
     batch.meta_info.update(do_sample=False, n=1)
-    return float(np.mean(reward.compute_rm_score(group.generate_sequences(batch)).non_tensor_batch["score"]
-                         .astype(float)))
+    return float(
+        np.mean(reward.compute_rm_score(group.generate_sequences(batch)).non_tensor_batch["score"].astype(float))
+    )
 
 
 @pytest.fixture(scope="module")
 def reward_group(ray_cluster, tmp_path_factory):
     path = str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-        cls=RewardWorker, config={"reward_fn": "exact"}, tokenizer_path=path))
+    group = RayWorkerGroup(
+        resource_pool=pool,
+        ray_cls_with_init=RayClassWithInitArgs(cls=RewardWorker, config={"reward_fn": "exact"}, tokenizer_path=path),
+    )
     group.init_model()
     yield path, group
     group.shutdown()
@@ -53,8 +57,11 @@ def sft_checkpoint(reward_group, tmp_path_factory):
     """SFT warm-up of the tiny model on 2 data-parallel workers; returns (checkpoint path, losses, accuracy)."""
     path, reward = reward_group
     tokenizer = load_tokenizer(path)
-    config = {"model": {"path": path}, "rollout": {"response_length": 4},
-              "actor": {"ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 32, "optim": {"lr": 1e-3}}}
+    config = {
+        "model": {"path": path},
+        "rollout": {"response_length": 4},
+        "actor": {"ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 32, "optim": {"lr": 1e-3}},
+    }
     group, pool = actor_group(config, "actor_rollout")
     rng = random.Random(0)
     losses = []
@@ -81,9 +88,17 @@ def test_grpo_raises_reward_of_sft_model(sft_checkpoint, reward_group):
     checkpoint, _, _, sft_accuracy = sft_checkpoint
     path, reward = reward_group
     tokenizer = load_tokenizer(path)
-    config = {"model": {"path": checkpoint}, "rollout": {"response_length": 4, "n": 8},
-              "actor": {"ppo_mini_batch_size": 128, "ppo_micro_batch_size_per_gpu": 64, "optim": {"lr": 1e-4},
-                        "use_kl_loss": True, "kl_loss_coef": 0.001}}
+    config = {
+        "model": {"path": checkpoint},
+        "rollout": {"response_length": 4, "n": 8},
+        "actor": {
+            "ppo_mini_batch_size": 128,
+            "ppo_micro_batch_size_per_gpu": 64,
+            "optim": {"lr": 1e-4},
+            "use_kl_loss": True,
+            "kl_loss_coef": 0.001,
+        },
+    }
     group, pool = actor_group(config, "actor_rollout_ref")
     try:
         before = group.get_weights_checksum()

@@ -16,7 +16,7 @@ import types
 import ray
 import torch
 
-VERL_RECIPE = '''
+VERL_RECIPE = """
 import ray
 import torch
 import torch.distributed
@@ -86,7 +86,7 @@ def run(rows: int):
     batch = batch.union(actor_wg.compute_log_prob(batch))
     batch = batch.union(reward_wg.compute_score(batch))
     return batch, wg_dict, resource_pool
-'''
+"""
 
 VERL_TO_RLFLOW = {
     "from verl.single_controller": "from rlworkers.single_controller",

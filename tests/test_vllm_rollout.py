@@ -47,8 +47,9 @@ def eos_prone_model(path) -> str:
     tokenizer, model = load_tokenizer(str(source)), load_model(str(source))
     batch = prompt_batch(ROWS["train"][:32], tokenizer)
     with torch.no_grad():
-        hidden = model.model(input_ids=batch.batch["input_ids"],
-                             attention_mask=batch.batch["attention_mask"]).last_hidden_state
+        hidden = model.model(
+            input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"]
+        ).last_hidden_state
     direction = hidden[batch.batch["attention_mask"].bool()].mean(0)
     target = path / "tiny-eos"
     shutil.copytree(source, target)
@@ -58,15 +59,23 @@ def eos_prone_model(path) -> str:
     return str(target)
 
 
-def actor_group(path: str, rollout: dict, lr: float = 1e-3, workers: int = 1, batch_size: int = 128,
-                role: str = "actor_rollout_ref"):
+def actor_group(
+    path: str, rollout: dict, lr: float = 1e-3, workers: int = 1, batch_size: int = 128, role: str = "actor_rollout_ref"
+):
     """An ActorRolloutRefWorker group whose optimizer step takes the whole ``batch_size`` batch at once."""
-    config = {"model": {"path": path}, "rollout": {"response_length": RESPONSE_LENGTH, **rollout},
-              "actor": {"ppo_mini_batch_size": batch_size, "ppo_micro_batch_size_per_gpu": batch_size // workers,
-                        "optim": {"lr": lr}}}
+    config = {
+        "model": {"path": path},
+        "rollout": {"response_length": RESPONSE_LENGTH, **rollout},
+        "actor": {
+            "ppo_mini_batch_size": batch_size,
+            "ppo_micro_batch_size_per_gpu": batch_size // workers,
+            "optim": {"lr": lr},
+        },
+    }
     pool = RayResourcePool([workers], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-        cls=ActorRolloutRefWorker, config=config, role=role))
+    group = RayWorkerGroup(
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ActorRolloutRefWorker, config=config, role=role)
+    )
     group.init_model()
     return group, pool
 
@@ -125,8 +134,9 @@ def test_generation_follows_the_hf_contract(vllm_group, eos_model):
 @pytest.fixture(scope="module")
 def hf_rollout(eos_model):
     """The HF backend on the same model, in this process."""
-    worker = ActorRolloutRefWorker({"model": {"path": eos_model}, "rollout": {"response_length": RESPONSE_LENGTH}},
-                                   role="rollout")
+    worker = ActorRolloutRefWorker(
+        {"model": {"path": eos_model}, "rollout": {"response_length": RESPONSE_LENGTH}}, role="rollout"
+    )
     worker.init_model()
     return worker
 
@@ -137,8 +147,10 @@ def test_greedy_matches_hf_and_stop_strings_end_responses(vllm_group, hf_rollout
     ours, theirs = vllm_group.generate_sequences(batch), hf.generate_sequences(batch)
     for key in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"):
         assert torch.equal(ours.batch[key], theirs.batch[key]), key
-    assert masked_max_diff(ours.batch["rollout_log_probs"], theirs.batch["rollout_log_probs"],
-                           ours.batch["response_mask"]) < LOGPROB_ATOL
+    assert (
+        masked_max_diff(ours.batch["rollout_log_probs"], theirs.batch["rollout_log_probs"], ours.batch["response_mask"])
+        < LOGPROB_ATOL
+    )
     digits = list("0123456789")
     stopped = vllm_group.generate_sequences(prompts(hf.tokenizer, 16, stop=digits))
     for text, valid in zip(decode_responses(stopped, hf.tokenizer), stopped.batch["response_mask"].sum(-1)):
@@ -153,8 +165,10 @@ def test_top_k_is_honoured_and_its_log_probs_are_the_truncated_distributions(ray
     group, pool = actor_group(eos_model, {"name": "vllm", "top_k": 1}, role="rollout")
     try:
         batch = prompts(hf_rollout.tokenizer, 16)
-        sampled, greedy = group.generate_sequences(batch), hf_rollout.generate_sequences(
-            prompts(hf_rollout.tokenizer, 16, do_sample=False))
+        sampled, greedy = (
+            group.generate_sequences(batch),
+            hf_rollout.generate_sequences(prompts(hf_rollout.tokenizer, 16, do_sample=False)),
+        )
         assert torch.equal(sampled.batch["responses"], greedy.batch["responses"])
         mask = sampled.batch["response_mask"].bool()
         assert (sampled.batch["rollout_log_probs"][mask] == 0).all()
@@ -223,8 +237,9 @@ def grpo_scores(group, tokenizer, steps: int) -> list[float]:
     for _ in range(steps):
         batch = group.generate_sequences(prompt_batch(rng.sample(ROWS["train"], 16), tokenizer))
         reward = first_char_is_digit(decode_responses(batch, tokenizer))
-        batch.batch["token_level_scores"] = compute_token_level_scores(torch.tensor(reward),
-                                                                       batch.batch["response_mask"])
+        batch.batch["token_level_scores"] = compute_token_level_scores(
+            torch.tensor(reward), batch.batch["response_mask"]
+        )
         batch.union(group.compute_log_prob(batch))
         batch, _ = compute_advantage(batch, "grpo")
         metrics = group.update_actor(batch).meta_info["metrics"]

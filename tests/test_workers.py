@@ -32,8 +32,11 @@ def tiny_path(tmp_path_factory):
 
 
 def worker_config(path, **overrides) -> WorkerConfig:
-    base = {"model": {"path": path}, "rollout": {"response_length": 5},
-            "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 1e-3}}}
+    base = {
+        "model": {"path": path},
+        "rollout": {"response_length": 5},
+        "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 1e-3}},
+    }
     for key, value in overrides.items():
         base.setdefault(key, {}).update(value)
     return WorkerConfig.model_validate(base)
@@ -106,8 +109,9 @@ def test_ref_matches_actor_until_the_actor_trains(worker):
 
 
 def test_kl_loss_and_gspo_paths(tiny_path):
-    w = ActorRolloutRefWorker(worker_config(tiny_path, actor={"use_kl_loss": True, "policy_loss": "gspo",
-                                                              "ppo_mini_batch_size": 12}))  # one optimizer step
+    w = ActorRolloutRefWorker(
+        worker_config(tiny_path, actor={"use_kl_loss": True, "policy_loss": "gspo", "ppo_mini_batch_size": 12})
+    )  # one optimizer step
     w.init_model()
     out = generated(w)
     out.union(w.compute_log_prob(out))
@@ -123,8 +127,10 @@ def test_sft_lowers_loss(tiny_path):
     w = ActorRolloutRefWorker(config, role="actor")
     w.init_model()
     rng = random.Random(0)
-    losses = [w.sft_step(sft_batch(rng.sample(ROWS["train"], 32), w.tokenizer)).meta_info["metrics"]["sft/loss"]
-              for _ in range(40)]
+    losses = [
+        w.sft_step(sft_batch(rng.sample(ROWS["train"], 32), w.tokenizer)).meta_info["metrics"]["sft/loss"]
+        for _ in range(40)
+    ]
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3])
 
 
@@ -219,8 +225,10 @@ def test_reward_worker_with_reward_model(worker):
 
 def test_critic_values_and_update(worker):
     out = generated(worker, n_prompts=8)
-    critic = CriticWorker({"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1e-3}},
-                          model={"path": worker.config.model.path})
+    critic = CriticWorker(
+        {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1e-3}},
+        model={"path": worker.config.model.path},
+    )
     critic.init_model()
     values = critic.compute_values(out).batch["values"]
     assert values.shape == (16, 5) and (values[out.batch["response_mask"] == 0] == 0).all()

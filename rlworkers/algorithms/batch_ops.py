@@ -15,9 +15,17 @@ from rlworkers.algorithms.utils import masked_mean
 from rlworkers.protocol import DataProto
 
 
-def compute_advantage(data: DataProto, adv_estimator: str, *, gamma: float = 1.0, lam: float = 1.0,
-                      norm_adv_by_std_in_grpo: bool = True, kl_ctrl: Any = None, kl_penalty: str = "kl",
-                      config: Any = None) -> tuple[DataProto, dict[str, float]]:
+def compute_advantage(
+    data: DataProto,
+    adv_estimator: str,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    kl_ctrl: Any = None,
+    kl_penalty: str = "kl",
+    config: Any = None,
+) -> tuple[DataProto, dict[str, float]]:
     """Add ``token_level_rewards``, ``advantages`` and ``returns`` ``[B, R]`` to ``data`` (in place).
 
     ``token_level_scores`` come from the reward; with ``kl_ctrl`` (KL-in-reward) the reward is
@@ -27,8 +35,9 @@ def compute_advantage(data: DataProto, adv_estimator: str, *, gamma: float = 1.0
     mask = batch["response_mask"]
     metrics: dict[str, float] = {}
     if kl_ctrl is not None:
-        rewards, metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
-                                            batch["ref_log_prob"], mask, kl_ctrl, kl_penalty)
+        rewards, metrics = apply_kl_penalty(
+            batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], mask, kl_ctrl, kl_penalty
+        )
     else:
         rewards = batch["token_level_scores"]
     batch["token_level_rewards"] = rewards
@@ -36,10 +45,14 @@ def compute_advantage(data: DataProto, adv_estimator: str, *, gamma: float = 1.0
         advantages, returns = compute_gae_advantage_return(rewards, batch["values"], mask, gamma, lam)
     else:
         estimator = get_adv_estimator_fn(adv_estimator)
-        advantages, returns = estimator(token_level_rewards=rewards, response_mask=mask,
-                                        index=data.non_tensor_batch["uid"], gamma=gamma,
-                                        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-                                        config=config if config is not None else {"gamma": gamma})
+        advantages, returns = estimator(
+            token_level_rewards=rewards,
+            response_mask=mask,
+            index=data.non_tensor_batch["uid"],
+            gamma=gamma,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            config=config if config is not None else {"gamma": gamma},
+        )
     batch["advantages"], batch["returns"] = advantages, returns
     return data, metrics
 

@@ -266,8 +266,11 @@ def compute_policy_loss_vanilla(
         ``ppo_kl`` (mean of ``old_log_prob - log_prob``), ``pg_clipfrac_lower`` (fraction hit by dual-clip).
     """
     cfg = resolve_policy_loss_config(
-        config, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+        config,
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
     )
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -280,9 +283,7 @@ def compute_policy_loss_vanilla(
 
     pg_losses3 = -advantages * cfg.clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
-    pg_clipfrac_lower = masked_mean(
-        (torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask
-    )
+    pg_clipfrac_lower = masked_mean((torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
@@ -317,8 +318,11 @@ def compute_policy_loss_gspo(
     Args and returns: as :func:`compute_policy_loss_vanilla`; ``pg_clipfrac_lower`` is always 0.
     """
     cfg = resolve_policy_loss_config(
-        config, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+        config,
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
     )
     mask = response_mask.to(log_prob.dtype)
     negative_approx_kl = log_prob - old_log_prob

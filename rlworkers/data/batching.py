@@ -26,20 +26,28 @@ def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
         if seq:
-            ids[i, width - len(seq):] = torch.tensor(seq)
-            mask[i, width - len(seq):] = 1
+            ids[i, width - len(seq) :] = torch.tensor(seq)
+            mask[i, width - len(seq) :] = 1
     return ids, mask
 
 
-def prompt_batch(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt", answer_key: str = "answer",
-                 max_prompt_length: int | None = None) -> DataProto:
+def prompt_batch(
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    max_prompt_length: int | None = None,
+) -> DataProto:
     """Tokenise prompts (left-padded) and keep the columns rewards need."""
     encoded = [tokenizer(row[prompt_key])["input_ids"] for row in rows]
     if max_prompt_length is not None:
         too_long = [i for i, e in enumerate(encoded) if len(e) > max_prompt_length]
         if too_long:
-            raise ValueError(f"prompt of batch row {too_long[0]} has {len(encoded[too_long[0]])} tokens, more than "
-                             f"data.max_prompt_length={max_prompt_length}; raise it or filter the dataset")
+            raise ValueError(
+                f"prompt of batch row {too_long[0]} has {len(encoded[too_long[0]])} tokens, more than "
+                f"data.max_prompt_length={max_prompt_length}; raise it or filter the dataset"
+            )
     input_ids, attention_mask = _left_pad(encoded, tokenizer.pad_token_id)
     non_tensors = {
         "raw_prompt": [row[prompt_key] for row in rows],
@@ -47,12 +55,19 @@ def prompt_batch(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
         "data_source": [row.get("data_source", "") for row in rows],
         "uid": [str(uuid.uuid4()) for _ in rows],
     }
-    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask,
-                                "position_ids": compute_position_id_with_mask(attention_mask)}, non_tensors)
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": compute_position_id_with_mask(attention_mask),
+        },
+        non_tensors,
+    )
 
 
-def sft_batch(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
-              response_key: str = "response") -> DataProto:
+def sft_batch(
+    rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt", response_key: str = "response"
+) -> DataProto:
     """``prompt + response + eos``, left-padded, with ``loss_mask`` = 1 on the response and eos tokens."""
     sequences, loss_masks = [], []
     for row in rows:
@@ -62,9 +77,14 @@ def sft_batch(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
         loss_masks.append([0] * len(prompt) + [1] * len(response))
     input_ids, attention_mask = _left_pad(sequences, tokenizer.pad_token_id)
     loss_mask, _ = _left_pad(loss_masks, 0)
-    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask,
-                                "position_ids": compute_position_id_with_mask(attention_mask),
-                                "loss_mask": loss_mask})
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": compute_position_id_with_mask(attention_mask),
+            "loss_mask": loss_mask,
+        }
+    )
 
 
 def decode_responses(data: DataProto, tokenizer) -> list[str]:
@@ -76,4 +96,3 @@ def decode_responses(data: DataProto, tokenizer) -> list[str]:
             tokens = tokens[:-1]
         texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
     return texts
-

@@ -66,9 +66,11 @@ def _check_prompt_lengths(prompts: list[str], where: list[str], tokenizer, max_p
     too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
     if too_long:
         first = too_long[0]
-        raise ValueError(f"{where[first]}: the prompt has {lengths[first]} tokens, more than data.max_prompt_length="
-                         f"{max_prompt_length} ({len(too_long)} row(s) of this file are too long, the longest has "
-                         f"{max(lengths)} tokens). Fix: raise data.max_prompt_length, or shorten or drop those rows")
+        raise ValueError(
+            f"{where[first]}: the prompt has {lengths[first]} tokens, more than data.max_prompt_length="
+            f"{max_prompt_length} ({len(too_long)} row(s) of this file are too long, the longest has "
+            f"{max(lengths)} tokens). Fix: raise data.max_prompt_length, or shorten or drop those rows"
+        )
 
 
 def _read_file(path: str, columns: tuple[str, ...]) -> tuple[list[dict], list[str]]:

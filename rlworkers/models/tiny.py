@@ -166,9 +166,7 @@ def ensure_tiny_model(path: str | os.PathLike, *, seed: int = 0, **sizes) -> Pat
     if is_tiny_model_complete(path):
         return path
     if path.exists() and any(path.iterdir()):
-        raise FileExistsError(
-            f"{path} exists but lacks some of {list(REQUIRED_FILES)}; delete it or pass another path"
-        )
+        raise FileExistsError(f"{path} exists but lacks some of {list(REQUIRED_FILES)}; delete it or pass another path")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

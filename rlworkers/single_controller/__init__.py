@@ -15,5 +15,17 @@ from rlworkers.single_controller.base import (
 from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess
 from rlworkers.single_controller.futures import DataProtoFuture
 
-__all__ = ["ClassWithInitArgs", "DataProtoFuture", "Dispatch", "Execute", "PlacementError", "ResourcePool",
-           "StageTimeout", "Worker", "WorkerError", "WorkerGroup", "WorkerProcess", "register"]
+__all__ = [
+    "ClassWithInitArgs",
+    "DataProtoFuture",
+    "Dispatch",
+    "Execute",
+    "PlacementError",
+    "ResourcePool",
+    "StageTimeout",
+    "Worker",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerProcess",
+    "register",
+]

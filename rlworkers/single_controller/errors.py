@@ -37,8 +37,14 @@ class WorkerError(RuntimeError):
     pickle), ``remote_traceback`` the worker-side traceback, ``worker`` where the rank ran (``WorkerProcess``).
     """
 
-    def __init__(self, rank: int, method: str, cause: BaseException | str, worker: WorkerProcess | None = None,
-                 remote_traceback: str | None = None):
+    def __init__(
+        self,
+        rank: int,
+        method: str,
+        cause: BaseException | str,
+        worker: WorkerProcess | None = None,
+        remote_traceback: str | None = None,
+    ):
         self.rank, self.method, self.worker = rank, method, worker
         self.cause = _picklable(cause)
         self.remote_traceback = remote_traceback if remote_traceback is not None else _remote_traceback(cause)
@@ -67,17 +73,25 @@ class WorkerError(RuntimeError):
 class StageTimeout(WorkerError):
     """Ranks that did not answer a worker-group call within its time limit (their actors were killed)."""
 
-    def __init__(self, ranks: Sequence[int], method: str, timeout_s: float,
-                 workers: Sequence[WorkerProcess | None] = ()):
+    def __init__(
+        self, ranks: Sequence[int], method: str, timeout_s: float, workers: Sequence[WorkerProcess | None] = ()
+    ):
         self.ranks, self.timeout_s, self.workers = list(ranks), timeout_s, list(workers)
-        super().__init__(self.ranks[0], method, f"no answer within {timeout_s:.0f} s",
-                         self.workers[0] if self.workers else None, remote_traceback="")
+        super().__init__(
+            self.ranks[0],
+            method,
+            f"no answer within {timeout_s:.0f} s",
+            self.workers[0] if self.workers else None,
+            remote_traceback="",
+        )
 
     def _message(self) -> str:
         where = "; ".join(f"rank {r}: {w}" for r, w in zip(self.ranks, self.workers) if w) or "no process details"
-        return (f"{self.method!r} did not answer within {self.timeout_s:.0f} s on rank(s) {self.ranks} ({where}); "
-                "those actors were killed so that a retry starts clean. If the stage is just slow, raise "
-                "trainer.stage_timeout_s / trainer.stage_timeout_s_per_sample")
+        return (
+            f"{self.method!r} did not answer within {self.timeout_s:.0f} s on rank(s) {self.ranks} ({where}); "
+            "those actors were killed so that a retry starts clean. If the stage is just slow, raise "
+            "trainer.stage_timeout_s / trainer.stage_timeout_s_per_sample"
+        )
 
     def __reduce__(self):
         return type(self), (self.ranks, self.method, self.timeout_s, self.workers)
@@ -87,9 +101,15 @@ class PlacementError(RuntimeError):
     """A resource pool cannot be placed on the cluster (names what it asked for and what exists)."""
 
 
-def get_with_rank(refs: Sequence[Any], ranks: Sequence[int], method: str, *,
-                  workers: Sequence[WorkerProcess | None] | None = None, timeout_s: float | None = None,
-                  grace_s: float = 2.0) -> list:
+def get_with_rank(
+    refs: Sequence[Any],
+    ranks: Sequence[int],
+    method: str,
+    *,
+    workers: Sequence[WorkerProcess | None] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 2.0,
+) -> list:
     """``ray.get(refs)`` in rank order, failing fast and naming who failed.
 
     Raises ``WorkerError`` as soon as one rank fails; when several fail within ``grace_s`` of the first (a dead
@@ -144,5 +164,7 @@ def _remote_traceback(cause: BaseException | str) -> str:
 
 def _first_line(cause: BaseException) -> str:
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return next((line for line in lines if "died" in line or "killed" in line or "exit" in line.lower()),
-                lines[0] if lines else type(cause).__name__)
+    return next(
+        (line for line in lines if "died" in line or "killed" in line or "exit" in line.lower()),
+        lines[0] if lines else type(cause).__name__,
+    )

@@ -68,8 +68,9 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, path)
         if self._is_ref:
-            self.ref_model = load_model(path, dtype=dtype,
-                                        trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+            self.ref_model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(
+                self.device
+            )
             self.ref_model.eval().requires_grad_(False)
         common.seed_everything(cfg.seed + 1000 * (self.rank + 1))  # different samples on every rank
 
@@ -86,19 +87,25 @@ class ActorRolloutRefWorker(Worker):
         """``old_log_probs [B, R]`` and ``entropys [B, R]`` of ``responses`` under the current actor."""
         self._require(self._is_actor, "compute_log_prob", "actor")
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        log_probs, entropy = common.response_log_probs(self.model, common.to_device(data, self.device), temperature,
-                                                       self.config.rollout.log_prob_micro_batch_size_per_gpu,
-                                                       with_entropy=True)
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy},
-                                   meta_info={"temperature": temperature}).to("cpu")
+        log_probs, entropy = common.response_log_probs(
+            self.model,
+            common.to_device(data, self.device),
+            temperature,
+            self.config.rollout.log_prob_micro_batch_size_per_gpu,
+            with_entropy=True,
+        )
+        return DataProto.from_dict(
+            {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": temperature}
+        ).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob [B, R]`` under the frozen reference policy."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        log_probs, _ = common.response_log_probs(self.ref_model, common.to_device(data, self.device), temperature,
-                                                 self.config.ref_micro_batch_size_per_gpu)
+        log_probs, _ = common.response_log_probs(
+            self.ref_model, common.to_device(data, self.device), temperature, self.config.ref_micro_batch_size_per_gpu
+        )
         return DataProto.from_dict({"ref_log_prob": log_probs}).to("cpu")
 
     # ------------------------------------------------------------------------------------------------ training
@@ -138,17 +145,27 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config.actor
         batch = micro.batch
         mask = batch["response_mask"].float()
-        logits = common.response_logits(self.module, batch["input_ids"], batch["attention_mask"],
-                                        batch["position_ids"], batch["responses"].shape[-1], temperature)
+        logits = common.response_logits(
+            self.module,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["position_ids"],
+            batch["responses"].shape[-1],
+            temperature,
+        )
         log_prob = common.logprobs_from_logits(logits, batch["responses"])
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss_fn(
-            batch["old_log_probs"], log_prob, batch["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
-            config=cfg)
+            batch["old_log_probs"], log_prob, batch["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, config=cfg
+        )
         entropy = core_algos.compute_entropy_loss(logits, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy
-        stats = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
-                 "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": clipfrac_lower.item(),
-                 "actor/entropy": entropy.item()}
+        stats = {
+            "actor/pg_loss": pg_loss.item(),
+            "actor/pg_clipfrac": clipfrac.item(),
+            "actor/ppo_kl": ppo_kl.item(),
+            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+            "actor/entropy": entropy.item(),
+        }
         if cfg.use_kl_loss:
             kl = core_algos.kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
             kl_loss = core_algos.agg_loss(kl, mask, cfg.loss_agg_mode)
@@ -178,12 +195,19 @@ class ActorRolloutRefWorker(Worker):
             batch = micro.batch
             mask = batch["response_mask"].float()
             with self._maybe_no_sync(last=i == len(micros) - 1):
-                logits = common.response_logits(self.module, batch["input_ids"], batch["attention_mask"],
-                                                batch["position_ids"], batch["responses"].shape[-1], temperature)
+                logits = common.response_logits(
+                    self.module,
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    batch["position_ids"],
+                    batch["responses"].shape[-1],
+                    temperature,
+                )
                 seq_logp = (common.logprobs_from_logits(logits, batch["responses"]) * mask).sum(-1)
                 ref_logp = (batch["ref_log_prob"] * mask).sum(-1)
-                loss, stats = core_algos.compute_dpo_loss(seq_logp[0::2], seq_logp[1::2], ref_logp[0::2],
-                                                          ref_logp[1::2], beta=beta)
+                loss, stats = core_algos.compute_dpo_loss(
+                    seq_logp[0::2], seq_logp[1::2], ref_logp[0::2], ref_logp[1::2], beta=beta
+                )
                 (loss * len(micro) / len(data)).backward()
             metrics["actor/dpo_loss"].append(loss.item())
             for key, value in stats.items():
@@ -209,8 +233,12 @@ class ActorRolloutRefWorker(Worker):
         for i, micro in enumerate(micros):
             batch = micro.batch
             with self._maybe_no_sync(last=i == len(micros) - 1):
-                logits = self.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     position_ids=batch["position_ids"], use_cache=False).logits[:, :-1]
+                logits = self.module(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"],
+                    use_cache=False,
+                ).logits[:, :-1]
                 nll = -common.logprobs_from_logits(logits, batch["input_ids"][:, 1:])
                 loss = (nll * batch["loss_mask"][:, 1:]).sum() / total_tokens
                 loss.backward()
@@ -252,10 +280,15 @@ class ActorRolloutRefWorker(Worker):
         """The model folder (``save_model``) plus each rank's optimizer, scheduler and RNG state."""
         self.save_model(path)
         if self._is_actor:
-            common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                               "update_steps": self.update_steps,
-                               "rng": common.rng_state_to_tensors(common.rng_state())},
-                              f"{path}/actor_state_rank_{self.rank}.pt")
+            common.save_torch(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.lr_scheduler.state_dict(),
+                    "update_steps": self.update_steps,
+                    "rng": common.rng_state_to_tensors(common.rng_state()),
+                },
+                f"{path}/actor_state_rank_{self.rank}.pt",
+            )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
@@ -264,8 +297,9 @@ class ActorRolloutRefWorker(Worker):
         missing, unexpected = self._primary_model().load_state_dict(common.load_weights(path), strict=False)
         real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
         if real_missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, "
-                             f"unexpected {unexpected[:5]})")
+            raise ValueError(
+                f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, unexpected {unexpected[:5]})"
+            )
         self._sync_rollout_weights()
         if self._is_actor and load_optimizer:
             saved = common.load_torch(f"{path}/actor_state_rank_{self.rank}.pt")

@@ -24,22 +24,25 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 def response_logits(model, input_ids, attention_mask, position_ids, response_length: int, temperature: float = 1.0):
     """Logits that predict each response token: ``[B, P+R] -> [B, R, V]``, divided by the sampling temperature."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
     return logits[:, -response_length - 1 : -1, :] / temperature
 
 
 @torch.no_grad()
-def response_log_probs(model, data: DataProto, temperature: float, micro_batch_size: int,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_log_probs(
+    model, data: DataProto, temperature: float, micro_batch_size: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``data.batch["responses"]`` under ``model``, in micro-batches, without grad.
     ``[B, R]``."""
     response_length = data.batch["responses"].shape[-1]
     log_probs, entropies = [], []
     for micro in data.split(micro_batch_size):
         batch = micro.batch
-        logits = response_logits(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                                 response_length, temperature)
+        logits = response_logits(
+            model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], response_length, temperature
+        )
         log_probs.append(logprobs_from_logits(logits, batch["responses"]))
         if with_entropy:
             entropies.append(entropy_from_logits(logits))
@@ -112,8 +115,12 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -128,16 +135,23 @@ def rng_state_to_tensors(state: dict) -> dict:
     """RNG state as tensors and plain lists, so it loads with ``weights_only=True``."""
     version, python_state, gauss = state["python"]
     kind, keys, pos, has_gauss, cached = state["numpy"]
-    return {"python": [version, list(python_state), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
-            pos, has_gauss, cached], "torch": state["torch"], "cuda": list(state["cuda"])}
+    return {
+        "python": [version, list(python_state), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": state["torch"],
+        "cuda": list(state["cuda"]),
+    }
 
 
 def rng_state_from_tensors(saved: dict) -> dict:
     version, python_state, gauss = saved["python"]
     kind, keys, pos, has_gauss, cached = saved["numpy"]
-    return {"python": (version, tuple(python_state), gauss),
-            "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
-            "torch": saved["torch"], "cuda": saved["cuda"]}
+    return {
+        "python": (version, tuple(python_state), gauss),
+        "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
+        "torch": saved["torch"],
+        "cuda": saved["cuda"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- files

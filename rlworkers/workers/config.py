@@ -66,8 +66,9 @@ class ActorConfig(_Frozen):
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = Field(3.0, gt=1)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     policy_loss: Literal["vanilla", "gspo"] = "vanilla"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

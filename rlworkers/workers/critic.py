@@ -22,8 +22,15 @@ from rlworkers.workers.config import CriticConfig, ModelConfig
 
 
 class CriticWorker(Worker):
-    def __init__(self, config: CriticConfig | dict, model: ModelConfig | dict, device: str = "cpu",
-                 backend: str | None = None, seed: int = 0, collective_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        config: CriticConfig | dict,
+        model: ModelConfig | dict,
+        device: str = "cpu",
+        backend: str | None = None,
+        seed: int = 0,
+        collective_timeout_s: float = 600.0,
+    ):
         super().__init__()
         self.config = config if isinstance(config, CriticConfig) else CriticConfig.model_validate(config)
         fallback = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
@@ -37,23 +44,32 @@ class CriticWorker(Worker):
         common.seed_everything(self.seed)  # the new value head starts identical on every rank
         path = resolve_model_path(self.model_config.path)
         self.model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=torch_dtype(self.model_config.dtype)).to(self.device)
+            path, num_labels=1, dtype=torch_dtype(self.model_config.dtype)
+        ).to(self.device)
         self.module = common.wrap_data_parallel(self.model, self.device)
         self.optimizer = common.build_optimizer(self.model.parameters(), self.config.optim)
         self.lr_scheduler = common.build_lr_scheduler(self.optimizer, self.config.optim)
 
     def _values(self, module, batch) -> torch.Tensor:
         response_length = batch["responses"].shape[-1]
-        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     position_ids=batch["position_ids"], use_cache=False).logits.squeeze(-1)
+        out = module(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        ).logits.squeeze(-1)
         return out[:, -response_length - 1 : -1] * batch["response_mask"]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         data = common.to_device(data, self.device)
         with torch.no_grad():
-            values = torch.cat([self._values(self.model, micro.batch)
-                                for micro in data.split(self.config.ppo_micro_batch_size_per_gpu)])
+            values = torch.cat(
+                [
+                    self._values(self.model, micro.batch)
+                    for micro in data.split(self.config.ppo_micro_batch_size_per_gpu)
+                ]
+            )
         return DataProto.from_dict({"values": values}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -75,8 +91,13 @@ class CriticWorker(Worker):
                         batch = micro.batch
                         vpreds = self._values(self.module, batch)
                         vf_loss, vf_clipfrac = compute_value_loss(
-                            vpreds, batch["returns"], batch["values"], batch["response_mask"],
-                            cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode)
+                            vpreds,
+                            batch["returns"],
+                            batch["values"],
+                            batch["response_mask"],
+                            cliprange_value=cfg.cliprange_value,
+                            loss_agg_mode=cfg.loss_agg_mode,
+                        )
                         (vf_loss * len(micro) / len(mini)).backward()
                     metrics["critic/vf_loss"].append(vf_loss.item())
                     metrics["critic/vf_clipfrac"].append(vf_clipfrac.item())
@@ -94,8 +115,10 @@ class CriticWorker(Worker):
     def save_checkpoint(self, path: str) -> None:
         if self.rank == 0:
             common.save_model(self.model, None, path)
-        common.save_torch({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
-                          f"{path}/critic_state_rank_{self.rank}.pt")
+        common.save_torch(
+            {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
+            f"{path}/critic_state_rank_{self.rank}.pt",
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:

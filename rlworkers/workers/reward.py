@@ -39,7 +39,8 @@ class RewardWorker(Worker):
 
             path = resolve_model_path(self.config.reward_model.path)
             self.reward_model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=torch_dtype(self.config.reward_model.dtype)).eval()
+                path, num_labels=1, dtype=torch_dtype(self.config.reward_model.dtype)
+            ).eval()
             if self.reward_model.config.pad_token_id is None:
                 self.reward_model.config.pad_token_id = self.tokenizer.pad_token_id
         else:
@@ -49,15 +50,18 @@ class RewardWorker(Worker):
     def compute_rm_score(self, data: DataProto) -> DataProto:
         if self.reward_model is not None:
             with torch.no_grad():
-                scores = self.reward_model(input_ids=data.batch["input_ids"],
-                                           attention_mask=data.batch["attention_mask"]).logits[:, 0].float().tolist()
+                scores = (
+                    self.reward_model(input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"])
+                    .logits[:, 0]
+                    .float()
+                    .tolist()
+                )
         else:
             columns = {k: list(data.non_tensor_batch[k]) for k in REWARD_COLUMNS if k in data.non_tensor_batch}
             prompts = list(data.non_tensor_batch.get("raw_prompt", [""] * len(data)))
             scores = compute_scores(self.reward_fn, prompts, decode_responses(data, self.tokenizer), **columns)
         token_level = compute_token_level_scores(torch.tensor(scores), data.batch["response_mask"])
-        return DataProto.from_dict({"token_level_scores": token_level},
-                                   {"score": np.array(scores, dtype=object)})
+        return DataProto.from_dict({"token_level_scores": token_level}, {"score": np.array(scores, dtype=object)})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
@@ -72,5 +76,7 @@ class RewardWorker(Worker):
         with fsspec.open(f"{path}/reward.json") as f:
             saved = json.load(f)
         if saved != self.config.model_dump(mode="json"):
-            raise ValueError(f"{path}: the run was trained with reward {saved}, this config has "
-                             f"{self.config.model_dump(mode='json')}; resume with the same reward settings")
+            raise ValueError(
+                f"{path}: the run was trained with reward {saved}, this config has "
+                f"{self.config.model_dump(mode='json')}; resume with the same reward settings"
+            )

@@ -70,8 +70,15 @@ class Execute(DynamicEnum):
 
 
 # RANK_ZERO is a name only (as in verl): it has no dispatch functions; use execute_mode=Execute.RANK_ZERO.
-for _name in ("RANK_ZERO", "ONE_TO_ALL", "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_PROTO", "DP_COMPUTE_PROTO_WITH_FUNC",
-              "DP_COMPUTE_METRIC"):
+for _name in (
+    "RANK_ZERO",
+    "ONE_TO_ALL",
+    "ALL_TO_ALL",
+    "DP_COMPUTE",
+    "DP_COMPUTE_PROTO",
+    "DP_COMPUTE_PROTO_WITH_FUNC",
+    "DP_COMPUTE_METRIC",
+):
     Dispatch.register(_name)
 for _name in ("ALL", "RANK_ZERO"):
     Execute.register(_name)
@@ -230,18 +237,24 @@ class NdCollect:
 def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Callable]:
     """The dispatch mode of a method that runs on the dp groups of the device mesh ``mesh_name`` (the workers
     register it with ``_register_dispatch_collect_info``): ``@register(dispatch_mode=make_nd_...("actor"))``."""
-    return {"dispatch_fn": functools.partial(dispatch_nd_compute_data_proto, mesh_name),
-            "collect_fn": NdCollect(mesh_name)}
+    return {
+        "dispatch_fn": functools.partial(dispatch_nd_compute_data_proto, mesh_name),
+        "collect_fn": NdCollect(mesh_name),
+    }
 
 
 DISPATCH_MODE_FN_REGISTRY: dict[Dispatch, dict[str, Callable]] = {
     Dispatch.ONE_TO_ALL: {"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_all_to_all},
     Dispatch.ALL_TO_ALL: {"dispatch_fn": dispatch_all_to_all, "collect_fn": collect_all_to_all},
     Dispatch.DP_COMPUTE: {"dispatch_fn": dispatch_dp_compute, "collect_fn": collect_dp_compute},
-    Dispatch.DP_COMPUTE_PROTO: {"dispatch_fn": dispatch_dp_compute_data_proto,
-                                "collect_fn": collect_dp_compute_data_proto},
-    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: {"dispatch_fn": dispatch_dp_compute_data_proto_with_func,
-                                          "collect_fn": collect_dp_compute_data_proto},
+    Dispatch.DP_COMPUTE_PROTO: {
+        "dispatch_fn": dispatch_dp_compute_data_proto,
+        "collect_fn": collect_dp_compute_data_proto,
+    },
+    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: {
+        "dispatch_fn": dispatch_dp_compute_data_proto_with_func,
+        "collect_fn": collect_dp_compute_data_proto,
+    },
     Dispatch.DP_COMPUTE_METRIC: {"dispatch_fn": dispatch_dp_compute_data_proto, "collect_fn": collect_dp_compute},
 }
 
@@ -316,8 +329,9 @@ def _unpad_output(output: Any, pad: int, input_rows: int | None, method: str):
     return output.slice(0, len(output) - pad * per_row)
 
 
-def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocking: bool = True,
-             materialize_futures: bool = True):
+def register(
+    dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocking: bool = True, materialize_futures: bool = True
+):
     """Tag a Worker method so that WorkerGroups bind a distributed call for it (verl's signature)."""
     get_predefined_dispatch_fn(dispatch_mode)  # fail at class definition for an unknown mode
     get_predefined_execute_fn(execute_mode)
@@ -339,19 +353,20 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocki
             return output
 
         if inspect.iscoroutinefunction(func):
+
             @functools.wraps(func)
             async def inner(self, *args, **kwargs):
                 args, kwargs, pad, *flags = prepare(args, kwargs)
                 return finish(await func(self, *args, **kwargs), pad, _input_rows(args, kwargs), *flags)
         else:
+
             @functools.wraps(func)
             def inner(self, *args, **kwargs):
                 args, kwargs, pad, *flags = prepare(args, kwargs)
                 return finish(func(self, *args, **kwargs), pad, _input_rows(args, kwargs), *flags)
 
         del inner.__wrapped__  # Ray checks calls against the signature; the hidden keywords must pass
-        setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,
-                                    "blocking": blocking})
+        setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode, "blocking": blocking})
         return inner
 
     return decorator

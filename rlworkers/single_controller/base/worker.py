@@ -45,8 +45,10 @@ def _assigned_gpu() -> int:
 
     gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
     if not gpu_ids:
-        raise RuntimeError("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES is set but Ray assigned this worker no GPU; "
-                           "unset it, or give the worker a GPU (RayResourcePool(..., use_gpu=True))")
+        raise RuntimeError(
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES is set but Ray assigned this worker no GPU; "
+            "unset it, or give the worker a GPU (RayResourcePool(..., use_gpu=True))"
+        )
     return int(gpu_ids[0])
 
 
@@ -113,9 +115,12 @@ class Worker:
             log_file = os.readlink("/proc/self/fd/1")  # Ray points a worker's stdout at its log file
         except OSError:
             log_file = None
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "log_file": log_file if log_file and log_file.startswith("/") else None}
+        return {
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "log_file": log_file if log_file and log_file.startswith("/") else None,
+        }
 
     def getenv(self, key: str) -> str | None:
         return os.environ.get(key)
@@ -157,8 +162,9 @@ class Worker:
     def get_dispatch_collect(self) -> dict[str, dict]:
         return {"dispatch_dp_rank": dict(self.__dispatch_dp_rank), "collect_dp_rank": dict(self.__collect_dp_rank)}
 
-    def set_dispatch_collect(self, mesh_name: str, dispatch_dp_rank: dict[str, int],
-                             collect_dp_rank: dict[str, bool]) -> None:
+    def set_dispatch_collect(
+        self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]
+    ) -> None:
         """Register, under ``mesh_name``, the one mesh of another worker's ``get_dispatch_collect()`` (an outer
         worker exposing an inner one: ``self.set_dispatch_collect("ref", **self.ref.get_dispatch_collect())``)."""
         if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
@@ -185,4 +191,3 @@ class Worker:
         from rlworkers.single_controller.distributed import init_process_group
 
         return init_process_group(backend=backend, timeout_s=timeout_s)
-

@@ -14,8 +14,9 @@ from rlworkers.single_controller.base.decorator import MAGIC_ATTR, get_predefine
 class ResourcePool:
     """How many worker processes run on each node: ``process_on_nodes=[4, 4]`` is 8 workers on 2 nodes."""
 
-    def __init__(self, process_on_nodes: list[int] | None = None, max_colocate_count: int = 10,
-                 n_gpus_per_node: int = 8):
+    def __init__(
+        self, process_on_nodes: list[int] | None = None, max_colocate_count: int = 10, n_gpus_per_node: int = 8
+    ):
         self._store = list(process_on_nodes or [])
         if any(n <= 0 for n in self._store):
             raise ValueError(f"process_on_nodes must hold positive counts, got {self._store}")

@@ -44,9 +44,17 @@ class RayResourcePool(ResourcePool):
     raises after ``placement_timeout_s``. Both name what was asked for and what the cluster has.
     """
 
-    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = True, name_prefix: str | None = None,
-                 max_colocate_count: int = 10, detached: bool = False, accelerator_type: str | None = None,
-                 cpus_per_worker: float = 1.0, placement_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        process_on_nodes: list[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 10,
+        detached: bool = False,
+        accelerator_type: str | None = None,
+        cpus_per_worker: float = 1.0,
+        placement_timeout_s: float = 60.0,
+    ):
         super().__init__(process_on_nodes, max_colocate_count)
         self.use_gpu = use_gpu
         self.name_prefix = name_prefix if name_prefix is not None else f"rlflow_{uuid.uuid4().hex[:6]}_"
@@ -84,15 +92,20 @@ class RayResourcePool(ResourcePool):
                 f"pass use_gpu=False on CPU machines, or start Ray with more resources (ray.init(num_cpus=...))."
             )
 
-    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
-                             device_name: str = "cuda") -> list[PlacementGroup]:
+    def get_placement_groups(
+        self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str = "cuda"
+    ) -> list[PlacementGroup]:
         if self.pgs is not None:
             return self.pgs
         self._check_placeable()
         lifetime = "detached" if self.detached else None
         pgs = [
-            placement_group([self.bundle()] * count, strategy=strategy, lifetime=lifetime,
-                            name=f"{name or self.name_prefix}group_{'_'.join(map(str, self.store))}:{idx}")
+            placement_group(
+                [self.bundle()] * count,
+                strategy=strategy,
+                lifetime=lifetime,
+                name=f"{name or self.name_prefix}group_{'_'.join(map(str, self.store))}:{idx}",
+            )
             for idx, count in enumerate(self.store)
         ]
         ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)
@@ -111,8 +124,11 @@ class RayResourcePool(ResourcePool):
 
     def bundle_slots(self) -> list[tuple[int, PlacementGroup, int]]:
         """``(placement group index, placement group, bundle index)`` of each rank, in rank order."""
-        return [(pg_idx, pg, bundle) for pg_idx, pg in enumerate(self.get_placement_groups())
-                for bundle in range(pg.bundle_count)]
+        return [
+            (pg_idx, pg, bundle)
+            for pg_idx, pg in enumerate(self.get_placement_groups())
+            for bundle in range(pg.bundle_count)
+        ]
 
     def remove(self) -> None:
         """Release the placement groups (the pool can be placed again later)."""
@@ -140,8 +156,9 @@ class SubRayResourcePool(RayResourcePool):
     pool, made by ``split_resource_pool``: the parent's placement groups, shared, so ``remove`` belongs to the
     parent."""
 
-    def __init__(self, placement_groups: list[PlacementGroup], start_bundle_index: int, subgroup_world_size: int,
-                 **pool_options):
+    def __init__(
+        self, placement_groups: list[PlacementGroup], start_bundle_index: int, subgroup_world_size: int, **pool_options
+    ):
         super().__init__(**pool_options)
         self.pgs = placement_groups
         self.start_bundle_index = start_bundle_index
@@ -153,11 +170,13 @@ class SubRayResourcePool(RayResourcePool):
 
     def bundle_slots(self) -> list[tuple[int, PlacementGroup, int]]:
         start = self.start_bundle_index
-        return super().bundle_slots()[start:start + self.subgroup_world_size]
+        return super().bundle_slots()[start : start + self.subgroup_world_size]
 
     def remove(self) -> None:
-        raise ValueError(f"resource pool {self.name_prefix!r} is split from another pool and shares its placement "
-                         "groups: call remove() on the pool it was split from")
+        raise ValueError(
+            f"resource pool {self.name_prefix!r} is split from another pool and shares its placement "
+            "groups: call remove() on the pool it was split from"
+        )
 
 
 def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[int]) -> list[SubRayResourcePool]:
@@ -170,16 +189,22 @@ def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[i
             raise ValueError(f"split_size={split_size} must divide the pool's world size {world_size}")
         split_size = [split_size] * (world_size // split_size)
     if sum(split_size) != world_size or min(split_size) <= 0:
-        raise ValueError(f"split_size={split_size} must be positive sizes summing to the pool's world size "
-                         f"{world_size}")
+        raise ValueError(
+            f"split_size={split_size} must be positive sizes summing to the pool's world size {world_size}"
+        )
     offset = resource_pool.start_bundle_index if isinstance(resource_pool, SubRayResourcePool) else 0
     starts = offset + np.cumsum([0] + split_size[:-1])
     return [
-        SubRayResourcePool(placement_groups=resource_pool.get_placement_groups(), start_bundle_index=int(start),
-                           subgroup_world_size=size, process_on_nodes=resource_pool.store,
-                           use_gpu=resource_pool.use_gpu, name_prefix=f"{resource_pool.name_prefix}_split_{i}",
-                           max_colocate_count=resource_pool.max_colocate_count,
-                           cpus_per_worker=resource_pool.cpus_per_worker)
+        SubRayResourcePool(
+            placement_groups=resource_pool.get_placement_groups(),
+            start_bundle_index=int(start),
+            subgroup_world_size=size,
+            process_on_nodes=resource_pool.store,
+            use_gpu=resource_pool.use_gpu,
+            name_prefix=f"{resource_pool.name_prefix}_split_{i}",
+            max_colocate_count=resource_pool.max_colocate_count,
+            cpus_per_worker=resource_pool.cpus_per_worker,
+        )
         for i, (start, size) in enumerate(zip(starts, split_size))
     ]
 
@@ -188,12 +213,18 @@ def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResour
     """One pool over the placement groups of both (placed now if they are not yet): rp1's ranks, then rp2's."""
     for option in ("use_gpu", "max_colocate_count", "cpus_per_worker", "detached"):
         if getattr(rp1, option) != getattr(rp2, option):
-            raise ValueError(f"cannot merge resource pools whose {option} differ ({getattr(rp1, option)} and "
-                             f"{getattr(rp2, option)}): create them with the same {option}")
-    merged = RayResourcePool(rp1.store + rp2.store, use_gpu=rp1.use_gpu,
-                             name_prefix=f"{rp1.name_prefix}_{rp2.name_prefix}",
-                             max_colocate_count=rp1.max_colocate_count, detached=rp1.detached,
-                             cpus_per_worker=rp1.cpus_per_worker)
+            raise ValueError(
+                f"cannot merge resource pools whose {option} differ ({getattr(rp1, option)} and "
+                f"{getattr(rp2, option)}): create them with the same {option}"
+            )
+    merged = RayResourcePool(
+        rp1.store + rp2.store,
+        use_gpu=rp1.use_gpu,
+        name_prefix=f"{rp1.name_prefix}_{rp2.name_prefix}",
+        max_colocate_count=rp1.max_colocate_count,
+        detached=rp1.detached,
+        cpus_per_worker=rp1.cpus_per_worker,
+    )
     merged.pgs = rp1.get_placement_groups() + rp2.get_placement_groups()
     return merged
 
@@ -220,12 +251,18 @@ class ResourcePoolManager:
             raise ValueError("resource_pool_spec is empty: name at least one pool, e.g. {'global_pool': [8]}")
         unknown = sorted(set(self.mapping.values()) - set(self.resource_pool_spec))
         if unknown:
-            raise ValueError(f"mapping names pools {unknown} that resource_pool_spec lacks (it has "
-                             f"{sorted(self.resource_pool_spec)}): add them to resource_pool_spec")
+            raise ValueError(
+                f"mapping names pools {unknown} that resource_pool_spec lacks (it has "
+                f"{sorted(self.resource_pool_spec)}): add them to resource_pool_spec"
+            )
         for name, process_on_nodes in self.resource_pool_spec.items():
             self.resource_pool_dict[name] = RayResourcePool(
-                process_on_nodes=process_on_nodes, use_gpu=self.use_gpu, name_prefix=name,
-                max_colocate_count=self.max_colocate_count, cpus_per_worker=self.cpus_per_worker)
+                process_on_nodes=process_on_nodes,
+                use_gpu=self.use_gpu,
+                name_prefix=name,
+                max_colocate_count=self.max_colocate_count,
+                cpus_per_worker=self.cpus_per_worker,
+            )
         self._check_resource_available()
 
     def get_resource_pool(self, role) -> RayResourcePool:
@@ -249,7 +286,8 @@ class ResourcePoolManager:
                 f"resource pools {self.resource_pool_spec} need {wanted} together ({self.get_n_gpus()} bundles of "
                 f"{bundle}); the cluster has {_resources(available, wanted)} free. Fix: smaller pools, a lower "
                 f"max_colocate_count (now {self.max_colocate_count}) or cpus_per_worker (now {self.cpus_per_worker}), "
-                "or more resources in the cluster.")
+                "or more resources in the cluster."
+            )
 
 
 def _placed(pg: PlacementGroup) -> bool:
@@ -278,8 +316,10 @@ def _published_rendezvous(rank_zero, key: str, cls_name: str, poll_s: float = 0.
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
                 raise WorkerError(0, f"{cls_name}.__init__", error) from error
             if _internal_kv_get(key) is None:
-                raise RuntimeError(f"{cls_name}.__init__ finished without calling Worker.__init__, so rank 0 bound "
-                                   "no rendezvous store: call super().__init__() first in __init__")
+                raise RuntimeError(
+                    f"{cls_name}.__init__ finished without calling Worker.__init__, so rank 0 bound "
+                    "no rendezvous store: call super().__init__() first in __init__"
+                )
 
 
 def _resources(available: dict, keys: dict) -> dict:
@@ -305,15 +345,24 @@ class RayClassWithInitArgs(ClassWithInitArgs):
     def set_additional_resource(self, additional_resource: dict) -> None:
         self._additional_resource = dict(additional_resource)
 
-    def __call__(self, placement_group: PlacementGroup, placement_group_bundle_idx: int, use_gpu: bool = True,
-                 num_gpus: float = 1, num_cpus: float = 1, env_vars: dict | None = None, name: str | None = None,
-                 detached: bool = False):
+    def __call__(
+        self,
+        placement_group: PlacementGroup,
+        placement_group_bundle_idx: int,
+        use_gpu: bool = True,
+        num_gpus: float = 1,
+        num_cpus: float = 1,
+        env_vars: dict | None = None,
+        name: str | None = None,
+        detached: bool = False,
+    ):
         options = copy.deepcopy(self._options)
         runtime_env = options.pop("runtime_env", {}) or {}
         runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **(env_vars or {})}
         options.update(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=placement_group_bundle_idx),
+                placement_group=placement_group, placement_group_bundle_index=placement_group_bundle_idx
+            ),
             runtime_env=runtime_env,
             num_cpus=num_cpus,
             num_gpus=num_gpus if use_gpu else 0,
@@ -329,8 +378,14 @@ class RayClassWithInitArgs(ClassWithInitArgs):
         return self._actor_cls.options(**options).remote(*self.args, **self.kwargs)
 
 
-def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn: Callable, collect_fn: Callable,
-                   execute_mode, blocking: bool) -> Callable:
+def func_generator(
+    worker_group: "RayWorkerGroup",
+    method_name: str,
+    dispatch_fn: Callable,
+    collect_fn: Callable,
+    execute_mode,
+    blocking: bool,
+) -> Callable:
     """The controller-side method: dispatch -> run on the ranks -> (wait) -> collect."""
     returns_data_proto = collect_fn is collect_dp_compute_data_proto or hasattr(collect_fn, "collect_ranks")
     chain_as_future = not blocking and returns_data_proto
@@ -342,12 +397,12 @@ def func_generator(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn
         kept = ranks  # the ranks whose outputs collect_fn merges, in its order
         if execute_mode is Execute.ALL and hasattr(collect_fn, "collect_ranks"):
             kept = collect_fn.collect_ranks(worker_group)
-        refs = worker_group._execute_per_rank(method_name, args, kwargs, ranks, return_len=chain_as_future,
-                                              drop_output=set(ranks) - set(kept))
+        refs = worker_group._execute_per_rank(
+            method_name, args, kwargs, ranks, return_len=chain_as_future, drop_output=set(ranks) - set(kept)
+        )
         if chain_as_future:
             kept_refs = [refs[ranks.index(rank)] for rank in kept]
-            return DataProtoFuture([r[0] for r in kept_refs], [r[1] for r in kept_refs], method=method_name,
-                                   ranks=kept)
+            return DataProtoFuture([r[0] for r in kept_refs], [r[1] for r in kept_refs], method=method_name, ranks=kept)
         if not blocking:
             return refs if execute_mode is Execute.ALL else refs[0]
         outputs = worker_group._collect(refs, ranks, method_name, rows)  # every rank: its errors surface
@@ -368,8 +423,17 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 0
 
 
-PROTECTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WG_PREFIX", "WG_BACKEND",
-                 "RAY_LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # set per worker by the group
+PROTECTED_ENV = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "WG_PREFIX",
+    "WG_BACKEND",
+    "RAY_LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)  # set per worker by the group
 
 
 def _check_verl_options(pool, use_gpu, device_name, master_addr, master_port, profile_steps, worker_nsight_options):
@@ -378,11 +442,15 @@ def _check_verl_options(pool, use_gpu, device_name, master_addr, master_port, pr
     if device_name not in ("cuda", "cpu"):
         raise ValueError(f"device_name={device_name!r} is not supported; use 'cuda' or 'cpu'")
     if master_addr is not None or master_port is not None:
-        raise ValueError("master_addr/master_port cannot be pinned: rank 0 binds a free port itself and the group "
-                         "hands it to the other ranks (no port race); drop both arguments")
+        raise ValueError(
+            "master_addr/master_port cannot be pinned: rank 0 binds a free port itself and the group "
+            "hands it to the other ranks (no port race); drop both arguments"
+        )
     if profile_steps or worker_nsight_options:
-        raise ValueError("nsight profiling (profile_steps, worker_nsight_options) is not supported; drop both "
-                         "arguments, or profile a worker with nsys through ray_cls_with_init.update_options")
+        raise ValueError(
+            "nsight profiling (profile_steps, worker_nsight_options) is not supported; drop both "
+            "arguments, or profile a worker with nsys through ray_cls_with_init.update_options"
+        )
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -393,13 +461,25 @@ class RayWorkerGroup(WorkerGroup):
     dead or hung ranks after a failure and replace the group's actors in the same placement.
     """
 
-    def __init__(self, resource_pool: RayResourcePool | None = None, ray_cls_with_init: RayClassWithInitArgs = None,
-                 bin_pack: bool = True, name_prefix: str | None = None, detached: bool = False,
-                 worker_names: list[str] | None = None, worker_handles: list | None = None,
-                 ray_wait_register_center_timeout: int = 300, *, worker_env: dict[str, str] | None = None,
-                 use_gpu: bool | None = None, device_name: str = "cuda", master_addr: str | None = None,
-                 master_port: str | None = None, profile_steps: list | None = None,
-                 worker_nsight_options: dict | None = None):
+    def __init__(
+        self,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs = None,
+        bin_pack: bool = True,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: list[str] | None = None,
+        worker_handles: list | None = None,
+        ray_wait_register_center_timeout: int = 300,
+        *,
+        worker_env: dict[str, str] | None = None,
+        use_gpu: bool | None = None,
+        device_name: str = "cuda",
+        master_addr: str | None = None,
+        master_port: str | None = None,
+        profile_steps: list | None = None,
+        worker_nsight_options: dict | None = None,
+    ):
         """verl's signature. ``worker_env`` adds environment variables to every worker (not the ones the group
         sets: ``PROTECTED_ENV``); ``use_gpu`` (default: the pool's) and ``device_name`` ("cuda" or "cpu") decide
         whether each actor takes its share of a GPU. ``ray_wait_register_center_timeout`` is accepted and unused
@@ -407,8 +487,9 @@ class RayWorkerGroup(WorkerGroup):
         super().__init__(resource_pool)
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
-        _check_verl_options(resource_pool, use_gpu, device_name, master_addr, master_port, profile_steps,
-                            worker_nsight_options)
+        _check_verl_options(
+            resource_pool, use_gpu, device_name, master_addr, master_port, profile_steps, worker_nsight_options
+        )
         clash = set(PROTECTED_ENV) & set(worker_env or {})
         if clash:
             raise ValueError(f"worker_env may not set {sorted(clash)}: the worker group sets them")
@@ -438,11 +519,23 @@ class RayWorkerGroup(WorkerGroup):
         self._bind_worker_method(ray_cls_with_init.user_cls, func_generator)
 
     @classmethod
-    def from_detached(cls, name_prefix: str | None = None, worker_names: list[str] | None = None,
-                      worker_handles: list | None = None, ray_cls_with_init: RayClassWithInitArgs = None, **kwargs):
+    def from_detached(
+        cls,
+        name_prefix: str | None = None,
+        worker_names: list[str] | None = None,
+        worker_handles: list | None = None,
+        ray_cls_with_init: RayClassWithInitArgs = None,
+        **kwargs,
+    ):
         """A group over actors that exist (by name or handle); ``kwargs`` as the constructor's."""
-        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
-                   worker_names=worker_names, worker_handles=worker_handles, **kwargs)
+        return cls(
+            resource_pool=None,
+            ray_cls_with_init=ray_cls_with_init,
+            name_prefix=name_prefix,
+            worker_names=worker_names,
+            worker_handles=worker_handles,
+            **kwargs,
+        )
 
     def _init_with_resource_pool(self, pool: RayResourcePool, bin_pack: bool, detached: bool, worker_env: dict):
         pool.get_placement_groups(strategy="STRICT_PACK" if bin_pack else "PACK")
@@ -455,26 +548,44 @@ class RayWorkerGroup(WorkerGroup):
         ranks_on_pg = collections.Counter(pg_idx for pg_idx, _, _ in slots)
         for rank, (pg_idx, pg, bundle) in enumerate(slots):
             # verl's environment. LOCAL_RANK is 0: Ray shows each GPU actor only its own GPU (see Worker).
-            env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                   "WG_PREFIX": self.name_prefix, "WG_BACKEND": "ray",
-                   "RAY_LOCAL_WORLD_SIZE": str(ranks_on_pg[pg_idx]), **worker_env}
+            env = {
+                "WORLD_SIZE": str(world_size),
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "WG_PREFIX": self.name_prefix,
+                "WG_BACKEND": "ray",
+                "RAY_LOCAL_WORLD_SIZE": str(ranks_on_pg[pg_idx]),
+                **worker_env,
+            }
             if rank > 0:
                 env.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port))
             else:  # rank 0 binds a new store: never one named by what Ray's processes inherited (a driver
                 env.update(MASTER_ADDR="", MASTER_PORT="")  # under torchrun, or one that ran a Worker itself)
                 env[RENDEZVOUS_KEY_ENV] = rendezvous_key
             name = f"{self.name_prefix}{cls_name}_{pg_idx}:{bundle}"
-            worker = self.ray_cls_with_init(pg, bundle, use_gpu=takes_gpu, num_gpus=num_gpus,
-                                            num_cpus=pool.cpus_per_worker, env_vars=env, name=name, detached=detached)
+            worker = self.ray_cls_with_init(
+                pg,
+                bundle,
+                use_gpu=takes_gpu,
+                num_gpus=num_gpus,
+                num_cpus=pool.cpus_per_worker,
+                env_vars=env,
+                name=name,
+                detached=detached,
+            )
             self._workers.append(worker)
             self._worker_names.append(name)
             if rank == 0:  # rank 0 binds the rendezvous port; the others are created knowing it
                 self._master_addr, self._master_port = _published_rendezvous(worker, rendezvous_key, cls_name)
         # Surface constructor errors now, with the rank, rather than at the first call; learn where each rank runs.
-        described = get_with_rank([w.describe_process.remote() for w in self._workers], list(range(world_size)),
-                                  f"{cls_name}.__init__")
-        self._worker_processes = [WorkerProcess(worker_class=cls_name, actor_name=name, **info)
-                                  for name, info in zip(self._worker_names, described)]
+        described = get_with_rank(
+            [w.describe_process.remote() for w in self._workers], list(range(world_size)), f"{cls_name}.__init__"
+        )
+        self._worker_processes = [
+            WorkerProcess(worker_class=cls_name, actor_name=name, **info)
+            for name, info in zip(self._worker_names, described)
+        ]
 
     # ------------------------------------------------------------------------------------------- properties
     @property
@@ -512,15 +623,23 @@ class RayWorkerGroup(WorkerGroup):
     def _collect(self, refs: list, ranks: list[int], method_name: str, rows: int = 0) -> list:
         timeout_s = None if self.call_timeout_s is None else self.call_timeout_s + self.call_timeout_s_per_row * rows
         try:
-            return get_with_rank(refs, ranks, method_name, timeout_s=timeout_s,
-                                 workers=[self._worker_processes[r] for r in ranks])
+            return get_with_rank(
+                refs, ranks, method_name, timeout_s=timeout_s, workers=[self._worker_processes[r] for r in ranks]
+            )
         except StageTimeout as timeout:
             for rank in timeout.ranks:  # a hung rank would also hang the next call: end it
                 ray.kill(self._workers[rank], no_restart=True)
             raise
 
-    def _execute_per_rank(self, method_name: str, args: tuple, kwargs: dict, ranks: list[int],
-                          return_len: bool = False, drop_output: set[int] = frozenset()) -> list:
+    def _execute_per_rank(
+        self,
+        method_name: str,
+        args: tuple,
+        kwargs: dict,
+        ranks: list[int],
+        return_len: bool = False,
+        drop_output: set[int] = frozenset(),
+    ) -> list:
         """Start ``method_name`` on ``ranks``, rank r with element r of every argument. Ranks in ``drop_output``
         return None instead of their output (the caller keeps only the other ranks')."""
         for name, value in [*enumerate(args), *kwargs.items()]:
@@ -546,8 +665,9 @@ class RayWorkerGroup(WorkerGroup):
         return [getattr(worker, method_name).remote(*args, **kwargs) for worker in self._workers]
 
     def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
-        return self._collect(self.execute_all_async(method_name, *args, **kwargs), list(range(self.world_size)),
-                             method_name)
+        return self._collect(
+            self.execute_all_async(method_name, *args, **kwargs), list(range(self.world_size)), method_name
+        )
 
     execute_all = execute_all_async
 
@@ -577,17 +697,23 @@ class RayWorkerGroup(WorkerGroup):
         """One group per role of a colocated worker class, all sharing these actors."""
         role_classes = getattr(self.ray_cls_with_init.user_cls, "raw_cls_dict", None)
         if role_classes is None:
-            raise ValueError("spawn() needs a group built from create_colocated_worker_cls(...) or a subclass of "
-                             "create_colocated_worker_raw_cls(...)")
+            raise ValueError(
+                "spawn() needs a group built from create_colocated_worker_cls(...) or a subclass of "
+                "create_colocated_worker_raw_cls(...)"
+            )
         unknown = set(prefix_set) - set(role_classes)
         if unknown:
-            raise ValueError(f"spawn() got roles {sorted(unknown)} that the colocated class lacks; it has "
-                             f"{sorted(role_classes)}")
+            raise ValueError(
+                f"spawn() got roles {sorted(unknown)} that the colocated class lacks; it has {sorted(role_classes)}"
+            )
         groups = {}
         for prefix in prefix_set:
             group = copy.copy(self)
-            group.__dict__ = {k: v for k, v in self.__dict__.items()
-                              if not inspect.isfunction(v) and not isinstance(v, RayWorkerGroup)}
+            group.__dict__ = {
+                k: v
+                for k, v in self.__dict__.items()
+                if not inspect.isfunction(v) and not isinstance(v, RayWorkerGroup)
+            }
             group._bindings = []
             group._dispatch_info, group._collect_info = {}, {}  # each role registers its own meshes
             group._bind_worker_method(role_classes[prefix], func_generator, remote_prefix=f"{prefix}_")
@@ -633,7 +759,8 @@ class RayWorkerGroup(WorkerGroup):
             raise PlacementError(
                 f"resource pool {pool.store} lost capacity (a node left?) and has not been placed again within "
                 f"{pool.placement_timeout_s:.0f} s: it needs {len(pool.store)} placement group(s) of bundles "
-                f"{pool.bundle()}; free now: {_resources(ray.available_resources(), pool.bundle())}")
+                f"{pool.bundle()}; free now: {_resources(ray.available_resources(), pool.bundle())}"
+            )
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers, self._worker_names, self._worker_processes = [], [], []

@@ -18,11 +18,14 @@ from rlworkers.single_controller.ray.base import RayClassWithInitArgs
 
 def _role_method(role: str, name: str, attrs: dict, is_async: bool):
     if is_async:
+
         async def method(self, *args, **kwargs):
             return await getattr(self.fused_worker_dict[role], name)(*args, **kwargs)
     else:
+
         def method(self, *args, **kwargs):
             return getattr(self.fused_worker_dict[role], name)(*args, **kwargs)
+
     method.__name__ = method.__qualname__ = f"{role}_{name}"
     setattr(method, MAGIC_ATTR, attrs)
     return method

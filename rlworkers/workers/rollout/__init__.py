@@ -38,15 +38,20 @@ def sampling_request(prompts: DataProto, config) -> SamplingRequest:
     )
 
 
-def rollout_output(prompts: DataProto, responses: torch.Tensor, response_mask: torch.Tensor,
-                   log_probs: torch.Tensor) -> DataProto:
+def rollout_output(
+    prompts: DataProto, responses: torch.Tensor, response_mask: torch.Tensor, log_probs: torch.Tensor
+) -> DataProto:
     """The contract above from (n-times repeated) ``prompts`` and the ``[B, R]`` responses, mask and log-probs."""
     input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     full_mask = torch.cat([attention_mask, response_mask], dim=-1)
     batch = {
-        "prompts": input_ids, "responses": responses, "input_ids": torch.cat([input_ids, responses], dim=-1),
-        "attention_mask": full_mask, "position_ids": compute_position_id_with_mask(full_mask),
-        "response_mask": response_mask, "rollout_log_probs": log_probs,
+        "prompts": input_ids,
+        "responses": responses,
+        "input_ids": torch.cat([input_ids, responses], dim=-1),
+        "attention_mask": full_mask,
+        "position_ids": compute_position_id_with_mask(full_mask),
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs,
     }
     meta = {k: v for k, v in prompts.meta_info.items() if k != "metrics"}
     return DataProto.from_dict(batch, dict(prompts.non_tensor_batch), meta_info=meta)

@@ -33,14 +33,20 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=response_length,
-            do_sample=do_sample, temperature=temperature if do_sample else None,
-            top_p=self.config.top_p if do_sample else None, top_k=self.config.top_k if do_sample else None,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            return_dict_in_generate=True, output_logits=True,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=response_length,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_p=self.config.top_p if do_sample else None,
+            top_k=self.config.top_k if do_sample else None,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
         )
         self.model.train(was_training)
-        responses = out.sequences[:, input_ids.shape[1]:]
+        responses = out.sequences[:, input_ids.shape[1] :]
         logits = torch.stack(out.logits, dim=1) / temperature
         pad = response_length - responses.shape[1]
         if pad:  # every row stopped early

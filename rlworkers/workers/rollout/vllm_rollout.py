@@ -82,8 +82,9 @@ class _RotaryReloadFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (record.getMessage().endswith("Failed to load weights") and args
-                    and str(args[0]).endswith("RotaryEmbedding"))
+        return not (
+            record.getMessage().endswith("Failed to load weights") and args and str(args[0]).endswith("RotaryEmbedding")
+        )
 
 
 class VLLMRollout:
@@ -108,7 +109,8 @@ class VLLMRollout:
             raise ValueError(
                 f"prompt width {prompt_width} + response_length {response_length} exceeds the vLLM engine's "
                 f"max_model_len {self.max_model_len} (fixed when the engine started, from its first batch); set "
-                "rollout.max_model_len to the longest prompt + response you will generate")
+                "rollout.max_model_len to the longest prompt + response you will generate"
+            )
         if self._kv_asleep or self._weights_asleep:
             self.llm.wake_up(tags=["weights", "kv_cache"] if self._weights_asleep else ["kv_cache"])
             self._kv_asleep = self._weights_asleep = False
@@ -119,26 +121,42 @@ class VLLMRollout:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
         limit = getattr(self.model.config, "max_position_embeddings", None) or 10**9
-        self.max_model_len = int(self._option(
-            "max_model_len", min(limit, max(prompt_width + response_length, MIN_MAX_MODEL_LEN))))
+        self.max_model_len = int(
+            self._option("max_model_len", min(limit, max(prompt_width + response_length, MIN_MAX_MODEL_LEN)))
+        )
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         try:
             self.llm = LLM(
-                model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
-                max_model_len=self.max_model_len, load_format="dummy", generation_config="vllm",
-                logprobs_mode="processed_logprobs", enforce_eager=bool(self._option("enforce_eager", not self.on_cuda)),
+                model=self.model_path,
+                tokenizer=self.model_path,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=self.max_model_len,
+                load_format="dummy",
+                generation_config="vllm",
+                logprobs_mode="processed_logprobs",
+                enforce_eager=bool(self._option("enforce_eager", not self.on_cuda)),
                 gpu_memory_utilization=float(self._option("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)),
-                enable_sleep_mode=self.sleep_enabled, tensor_parallel_size=1, distributed_executor_backend="uni")
+                enable_sleep_mode=self.sleep_enabled,
+                tensor_parallel_size=1,
+                distributed_executor_backend="uni",
+            )
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it for its own process
             torch.set_num_threads(threads)
         reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         if not any(isinstance(f, _RotaryReloadFilter) for f in reload_logger.filters):
             reload_logger.addFilter(_RotaryReloadFilter())
-        logger.info("vLLM engine started (%s, dtype %s, max_model_len %d, seed %d, sleep mode %s)",
-                    self.device, dtype, self.max_model_len, seed, self.sleep_enabled)
+        logger.info(
+            "vLLM engine started (%s, dtype %s, max_model_len %d, seed %d, sleep mode %s)",
+            self.device,
+            dtype,
+            self.max_model_len,
+            seed,
+            self.sleep_enabled,
+        )
         self._load_weights(self.model)
 
     # ------------------------------------------------------------------------------------------------ weights
@@ -166,9 +184,15 @@ class VLLMRollout:
         input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         llm = self._engine(input_ids.shape[1], response_length)
         params = SamplingParams(
-            n=1, temperature=temperature, top_p=self.config.top_p if do_sample else 1.0,
-            top_k=self.config.top_k if do_sample else 0, max_tokens=response_length, logprobs=0,
-            stop=list(stop) if stop else None, detokenize=bool(stop))
+            n=1,
+            temperature=temperature,
+            top_p=self.config.top_p if do_sample else 1.0,
+            top_k=self.config.top_k if do_sample else 0,
+            max_tokens=response_length,
+            logprobs=0,
+            stop=list(stop) if stop else None,
+            detokenize=bool(stop),
+        )
         requests = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
         outputs = llm.generate(requests, params, use_tqdm=False)
         if self.sleep_enabled:
