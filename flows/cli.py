@@ -10,7 +10,6 @@ rlflow demo                                               SFT warm-up then GRPO 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -137,27 +136,39 @@ def deploy() -> None:
 
 @app.command()
 def worker(limit: int = typer.Option(1, help="flow runs at once on this machine")) -> None:
-    """Run a Prefect process worker on the rlflow pool: it starts the scheduled runs and watches their processes."""
-    from flows.deploy import POOL
+    """Run a Prefect process worker on the rlflow pool: it starts the scheduled runs and watches their processes;
+    a crashed run the restart automation missed is restarted from here (flows/deploy.py)."""
+    import signal
+    import subprocess
+
+    from flows.deploy import CRASH_CHECK_EVERY_S, POOL
 
     use_running_services()
     require_prefect_api()
-    os.execvp(
-        sys.executable,
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "worker",
-            "start",
-            "--pool",
-            POOL,
-            "--type",
-            "process",
-            "--limit",
-            str(limit),
-        ],
-    )
+    command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
+    prefect_worker = subprocess.Popen([*command, "--limit", str(limit)])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # then stop the Prefect worker too
+    try:
+        while prefect_worker.poll() is None:
+            try:
+                prefect_worker.wait(timeout=CRASH_CHECK_EVERY_S)
+            except subprocess.TimeoutExpired:
+                _restart_missed_crashes()
+    finally:
+        if prefect_worker.poll() is None:
+            prefect_worker.terminate()
+            prefect_worker.wait(30)
+    raise typer.Exit(prefect_worker.returncode)
+
+
+def _restart_missed_crashes() -> None:
+    from flows.deploy import restart_missed_crashes
+
+    try:
+        for name in restart_missed_crashes():
+            console.print(f"rlflow worker: restarting crashed run {name!r} (the restart automation did not act)")
+    except Exception as error:  # the server is briefly unreachable: the next check tries again
+        console.print(f"rlflow worker: could not check for crashed runs: {error}")
 
 
 @app.command()

@@ -14,6 +14,12 @@ The automations (Prefect UI -> Automations; each firing shows in the event feed 
   starts a new attempt of the *same* flow run: same name, so the same training run, which resumes its newest
   valid checkpoint and continues its MLflow run. Each attempt counts the crashes in its flow run's state history
   and ends Failed, saying so, once they exceed ``trainer.max_crash_restarts`` (see ``flows/lineage.py``).
+
+``rlflow worker`` backs the second one up (``restart_missed_crashes``): the Prefect server can drop an automation's
+evaluation of an event (on SQLite, a busy database fails it with "database is locked" a few times in a row and the
+event goes to the server's dead-letter queue), which left a crashed run Crashed for good. Every
+``CRASH_CHECK_EVERY_S`` the worker sets such a run, Crashed for longer than ``CRASH_GRACE_S``, to the same
+"Restarting" state itself, saying so in the state's message.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from flows.lineage import RESTART_STATE_NAME
@@ -31,6 +37,8 @@ PREFECT_FILE = PROJECT_DIR / "deployments" / "prefect.yaml"
 POOL = "rlflow"
 TAG = "rlflow"
 HEARTBEAT_TIMEOUT_S = 120  # four heartbeats of 30 s
+CRASH_GRACE_S = 60  # how long the restart automation has before `rlflow worker` restarts a crashed run itself
+CRASH_CHECK_EVERY_S = 20
 
 
 def automations() -> list:
@@ -85,6 +93,38 @@ def automations() -> list:
             ],
         ),
     ]
+
+
+def restart_missed_crashes(grace_s: float = CRASH_GRACE_S) -> list[str]:
+    """Set the runs of rlflow deployments that have been Crashed for more than ``grace_s`` to "Restarting", as the
+    restart automation would have (see the module docstring); returns their names."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Scheduled
+
+    crashed = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED])),
+        tags=FlowRunFilterTags(all_=[TAG]),
+    )
+    restarted = []
+    with get_client(sync_client=True) as client:
+        for run in client.read_flow_runs(flow_run_filter=crashed):
+            age = datetime.now(timezone.utc) - run.state.timestamp
+            if run.deployment_id is None or age.total_seconds() < grace_s:
+                continue
+            message = (
+                f"rlflow worker: automatic restart after a crash ({age.total_seconds():.0f} s ago, the restart "
+                "automation did not act); resumes from the newest checkpoint"
+            )
+            client.set_flow_run_state(run.id, Scheduled(name=RESTART_STATE_NAME, message=message), force=True)
+            restarted.append(run.name)
+    return restarted
 
 
 def ensure_automations() -> list[str]:

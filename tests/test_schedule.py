@@ -3,9 +3,12 @@ deployment runs triggered through the Prefect API.
 
 - two triggers of a lineage deployment: the second waits for the first (concurrency limit), then starts from the
   first run's promoted model and continues its data;
-- SIGKILL of the flow-run process mid-run (as the OOM killer would): the run is marked Crashed, the automation
-  starts a new attempt without any command, it resumes from the last checkpoint and ends Completed with the same
-  weights as an uninterrupted run; no process of the dead attempt survives.
+- SIGKILL of the flow-run process mid-run (as the OOM killer would) while the restart automation is disabled (as
+  when the server drops its evaluation): the run is marked Crashed, `rlflow worker` starts a new attempt without
+  any command, it resumes from the last checkpoint and ends Completed with the same weights as an uninterrupted
+  run; no process of the dead attempt survives;
+- the worker and its flow run die together: the heartbeat automation marks the run Crashed, the restart
+  automation sets it "Restarting", and past trainer.max_crash_restarts the attempt ends Failed saying why.
 """
 
 from __future__ import annotations
@@ -194,16 +197,26 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     attempt = [engine, *engine.children(recursive=True)]
     ray_session = next((p for p in attempt if "raylet" in p.name()), None)
     assert ray_session is not None, "the attempt's local Ray should run under its process"
-    engine.send_signal(signal.SIGKILL)
-
-    final = wait_final(killed.id, worker, timeout_s=480)
-    assert final.state.is_completed(), final.state
+    from prefect.automations import Automation
     from prefect.client.orchestration import get_client
 
+    # The server may drop the restart automation's evaluation of the crash (flows/deploy.py): here an operator has
+    # disabled it, and `rlflow worker` must restart the run by itself (the automation's own path is the next test's).
+    restart = Automation.read(name="rlflow: restart crashed runs")
+    restart.disable()
+    try:
+        engine.send_signal(signal.SIGKILL)
+        final = wait_final(killed.id, worker, timeout_s=480)
+    finally:
+        restart.enable()
+    assert final.state.is_completed(), final.state
     with get_client(sync_client=True) as client:
-        history = [s.type.value for s in sorted(client.read_flow_run_states(killed.id), key=lambda s: s.timestamp)]
+        states = sorted(client.read_flow_run_states(killed.id), key=lambda s: s.timestamp)
+    history = [s.type.value for s in states]
     assert "CRASHED" in history and history.index("SCHEDULED", history.index("CRASHED")) > 0, history
     assert history[-1] == "COMPLETED"
+    restarted = states[history.index("SCHEDULED", history.index("CRASHED"))]
+    assert restarted.name == "Restarting" and restarted.message.startswith("rlflow worker:"), restarted
     # The new attempt resumed from a checkpoint: the MLflow run is the same, steps before it were not redone.
     record = RunRecord.read(f"{worker['runs']}/killed-{uid}")
     client = MlflowClient()
