@@ -21,7 +21,7 @@ Printed per side: samples/s at the median step (256 / median step wall time), sa
 (steps x 256 / wall time of the child process, spawn to exit: imports, start-up, training, saving), that wall time
 (and in brackets the sum of the step times), and the mean sampled reward of the first and the last step; then each
 repeat's values (the two sides alternate which goes first), and last the ratio rlflow / TRL of the medians over
-``--repeats``. ``--variant KEY=VALUE`` (repeatable) adds an rlflow side with that config override (e.g.
+``--repeats``. ``--variant 'KEY=VALUE ...'`` (repeatable) adds an rlflow side with those config overrides (e.g.
 ``trainer.colocate_ref=true``) and prints its ratio to plain rlflow. The machine should be otherwise idle: each
 run's line shows the load average when it started.
 
@@ -291,8 +291,8 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="also run rlflow with this config override (e.g. trainer.colocate_ref=true), side by side",
+        metavar="'KEY=VALUE ...'",
+        help="also run rlflow with these config overrides (e.g. trainer.colocate_ref=true), side by side",
     )
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run the TRL side here
     args = parser.parse_args()
@@ -310,7 +310,7 @@ def main() -> None:
             "rlflow": lambda tag: run_rlflow(config, samples, tag),
             **{
                 f"rlflow {variant}": lambda tag, i=i, variant=variant: run_rlflow(
-                    config, samples, f"{tag}-v{i}", (variant,)
+                    config, samples, f"{tag}-v{i}", tuple(variant.split())
                 )
                 for i, variant in enumerate(args.variant)
             },

@@ -49,7 +49,7 @@ from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePoo
 from rlworkers.storage import is_remote, storage_env
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 from rlworkers.workers.critic import CriticWorker
-from rlworkers.workers.reward import RewardWorker
+from rlworkers.workers.reward import RewardWorker, RuleReward
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Run:
     loader: PromptDataLoader
     val_rows: list[dict]
     tracker: Tracker
-    groups: dict[str, RayWorkerGroup] = field(default_factory=dict)
+    groups: dict[str, RayWorkerGroup | RuleReward] = field(default_factory=dict)  # by role (see _build_groups)
     start_step: int = 1
     kl_ctrl_state: dict | None = None
     progress: ProgressArtifact | None = None
@@ -361,11 +361,12 @@ class Run:
         return f"v{version} {verdict}: {decision['reason']}"
 
     def distinct_groups(self) -> dict[str, RayWorkerGroup]:
-        """``groups`` with each group once, under its first role (``trainer.colocate_ref``: the reference is the
-        actor's group)."""
+        """The worker groups of ``groups``, each once, under its first role (``trainer.colocate_ref``: the reference
+        is the actor's group); a ``RuleReward`` has no workers and is not among them."""
         first: dict[int, tuple[str, RayWorkerGroup]] = {}
         for name, group in self.groups.items():
-            first.setdefault(id(group), (name, group))
+            if isinstance(group, RayWorkerGroup):
+                first.setdefault(id(group), (name, group))
         return dict(first.values())
 
     # ------------------------------------------------------------------------------------------ faults
@@ -397,7 +398,7 @@ class Run:
         log = get_run_logger()
         log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(self.faults), budget)
         checkpoint = find_latest_checkpoint(self.checkpoint_root, required=["trainer_state.json"])
-        rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(self.groups))
+        rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(self.distinct_groups()))
         try:
             for name in sorted(rebuild):
                 self._restart_group(name)
@@ -701,8 +702,10 @@ def _new_record(
     return tracker, record
 
 
-def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup]:
-    """The worker groups of ``roles``, built at once: their processes start and load the model in parallel."""
+def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup | RuleReward]:
+    """The worker groups of ``roles``, built at once: their processes start and load the model in parallel. The
+    reference may share the actor's group (``trainer.colocate_ref``); a rule reward is a ``RuleReward`` that the
+    compute_reward stage calls itself (``reward.num_workers=0``, the default for rules)."""
     from concurrent.futures import ThreadPoolExecutor
 
     trainer = config.trainer
@@ -735,11 +738,15 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
         ),
         "reward": (
             RewardWorker,
-            1,
+            config.reward.worker_count,
             {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward, "tokenizer_path": model_path},
         ),
     }
-    wanted = [role for role in plans if role in roles and not (role == "ref" and colocate_ref)]
+    # a rule reward scores in the compute_reward stage (reward.num_workers=0): loaded here, before any worker starts
+    in_stage = "reward" in roles and not config.reward.worker_count
+    rule_reward = RuleReward(config.reward, model_path).load() if in_stage else None
+    colocated = {"ref": colocate_ref, "reward": rule_reward is not None}
+    wanted = [role for role in plans if role in roles and not colocated.get(role)]
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {
             role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
@@ -758,6 +765,8 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
         raise errors[0]
     if colocate_ref and "ref" in roles:
         groups["ref"] = groups["actor"]  # one group in two roles (Run.distinct_groups lists it once)
+    if rule_reward is not None:
+        groups["reward"] = rule_reward
     return groups
 
 

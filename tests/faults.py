@@ -26,6 +26,27 @@ def busy_worker(title: str) -> psutil.Process | None:
     return None
 
 
+class ProcessWatch(threading.Thread):
+    """``with ProcessWatch(title) as watch:`` looks for a process whose title starts with ``title`` every 0.2 s
+    while the block runs; ``watch.seen`` says whether one ever ran."""
+
+    def __init__(self, title: str):
+        super().__init__(daemon=True)
+        self.title, self.seen, self._done = title, False, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.2):
+            self.seen = self.seen or busy_worker(self.title) is not None
+
+    def __enter__(self) -> ProcessWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self.join()
+
+
 class Injector(threading.Thread):
     """Runs ``plan`` in the background: a list of (wait_until, title, signal) applied in order; each signal goes
     to the first process seen running ``title`` once ``wait_until()`` is true. ``done`` lists what was hit."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import Injector, after, busy_worker, checkpoint_exists
+from faults import Injector, ProcessWatch, after, busy_worker, checkpoint_exists
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -169,6 +169,27 @@ def test_a_colocated_reference_gives_the_separate_ones_kl(env):
     assert histories[True] == pytest.approx(histories[False], rel=1e-3, abs=1e-9), histories
 
 
+def test_a_rule_reward_scores_in_the_stage_as_a_reward_worker_does(env, tmp_path):
+    """reward.num_workers=0 (the default for a rule): the compute_reward stage scores the generated batch itself,
+    and no reward process ever starts; the scores are the ones a reward worker (reward.num_workers=1) gives, step
+    by step (a length reward, so they are not all zero)."""
+    reward = tmp_path / "length.py"
+    reward.write_text("def score(prompts, responses, **columns):\n    return [len(r) for r in responses]\n")
+    scores, seen = {}, {}
+    for workers in (0, 1):
+        name = f"reward-{workers}-{uuid.uuid4().hex[:6]}"
+        config = small_config(env, name, f"reward.reward_fn={reward}:score", f"reward.num_workers={workers}")
+        with ProcessWatch("ray::RewardWorker") as watch:
+            state, _ = run_flow("grpo", config)
+        assert state.is_completed(), state.message
+        client, run = mlflow_run(name)
+        scores[workers] = [m.value for m in client.get_metric_history(run.info.run_id, "critic/score/mean")]
+        seen[workers] = watch.seen
+    assert seen == {0: False, 1: True}
+    assert len(scores[0]) == 3 and all(value > 0 for value in scores[0]), scores
+    assert scores[0] == scores[1]
+
+
 def _table_rows(artifact):
     import json
 
@@ -189,6 +210,7 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
         "trainer.stage_timeout_s=15",
         "trainer.stage_timeout_s_per_sample=0",
         "trainer.max_restarts=4",
+        "reward.num_workers=1",  # a reward worker process, to kill
     )
     clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
     config = small_config(env, f"{base}-faults", *overrides)
@@ -250,14 +272,14 @@ def test_faults_past_the_budget_fail_the_run_and_list_them(env):
 
 
 def test_an_error_with_every_worker_alive_fails_at_once(env, tmp_path):
-    """A reward function that raises is a bug, not a fault: no restart, the error names the worker and the line."""
+    """A reward function that raises is a bug, not a fault: no restart, the error names the function and the line."""
     (tmp_path / "broken.py").write_text("def score(prompts, responses, **columns):\n    return 1 / 0\n")
     name = f"broken-{uuid.uuid4().hex[:6]}"
     config = small_config(env, name, f"reward.reward_fn={tmp_path / 'broken.py'}:score")
     state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     assert state.is_failed()
-    assert "RewardWorker rank 0 failed in 'compute_rm_score'" in state.message
-    assert "ZeroDivisionError" in state.message and "broken.py" in state.message
+    assert "broken.py:score raised ZeroDivisionError: division by zero" in state.message
+    assert "broken.py line 2" in state.message
     client, run = mlflow_run(name)
     assert not client.get_metric_history(run.info.run_id, "fault/restarts")
 

@@ -7,6 +7,7 @@ run them as a 2-worker group on real Ray.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 
 import numpy as np
@@ -18,10 +19,11 @@ from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
 from rlworkers.data.synthetic import addition_rows
 from rlworkers.models.tiny import ensure_tiny_model
 from rlworkers.protocol import DataProto
+from rlworkers.rewards import RewardFunctionError, compute_scores, load_reward_fn
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
-from rlworkers.workers.config import WorkerConfig
+from rlworkers.workers.config import RewardConfig, WorkerConfig
 from rlworkers.workers.critic import CriticWorker
-from rlworkers.workers.reward import RewardWorker
+from rlworkers.workers.reward import RewardWorker, RuleReward
 
 ROWS = addition_rows(num_train=400, num_val=50, max_digits=2, seed=0)
 
@@ -212,6 +214,29 @@ def test_reward_worker_rule_and_user_function(worker, tmp_path):
     other = RewardWorker({"reward_fn": "exact"}, tokenizer_path=worker.config.model.path)
     with pytest.raises(ValueError, match="resume with the same reward"):
         other.load_checkpoint(str(tmp_path / "ckpt"))
+
+    # The same rule scored in the calling process (reward.num_workers=0): the worker's output, and a checkpoint
+    # either wrote fits the other (where the reward runs may change between attempts; what it is may not).
+    rule = RuleReward({"reward_fn": f"{user_file}:length", "num_workers": 0}, worker.config.model.path)
+    assert list(rule.compute_rm_score(batch).non_tensor_batch["score"]) == [float(len(a)) for a in answers]
+    rule.load_checkpoint(str(tmp_path / "ckpt"))
+    rule.save_checkpoint(str(tmp_path / "ckpt-rule"))
+    rw.load_checkpoint(str(tmp_path / "ckpt-rule"))
+    with pytest.raises(ValueError, match="resume with the same reward"):
+        other.load_checkpoint(str(tmp_path / "ckpt-rule"))
+    exact = RuleReward({"reward_fn": "exact"}, worker.config.model.path)
+    assert torch.equal(exact.compute_rm_score(batch).batch["token_level_scores"], scored.batch["token_level_scores"])
+    assert len(pickle.dumps(exact)) < 2000  # travels to each stage task as its config, not with a tokenizer
+    with pytest.raises(ValueError, match="reward model runs in a RewardWorker group"):
+        RuleReward({"reward_model": {"path": worker.config.model.path}}, worker.config.model.path)
+    with pytest.raises(ValueError, match="set reward.num_workers >= 1"):
+        RewardConfig(reward_model={"path": worker.config.model.path}, num_workers=0)
+
+
+def test_a_raising_reward_function_is_named_with_its_line(tmp_path):
+    (tmp_path / "broken.py").write_text("def score(prompts, responses, **columns):\n    return 1 / 0\n")
+    with pytest.raises(RewardFunctionError, match=r"broken\.py:score raised ZeroDivisionError: division by zero"):
+        compute_scores(load_reward_fn(f"{tmp_path / 'broken.py'}:score"), ["p"], ["r"])
 
 
 def test_reward_worker_with_reward_model(worker):

@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import math
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -213,10 +214,15 @@ def describe_reward_fn(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{qualname}"
 
 
+class RewardFunctionError(RuntimeError):
+    """The reward function raised: a bug in it (or in the data it was given), not a fault a restart would cure."""
+
+
 def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], **columns) -> list[float]:
     """Call ``reward_fn(prompts, responses, **columns)`` and return its scores as finite floats.
 
     Raises:
+        RewardFunctionError: the function raised; the message names it and the line that raised.
         ValueError: inputs of different lengths, or the function returned something other than one finite
             number per response; the message names the function.
     """
@@ -226,7 +232,13 @@ def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Seque
     if wrong:
         raise ValueError(f"compute_scores got {n} responses but lengths {wrong}; pass one value per response")
     name = describe_reward_fn(reward_fn)
-    result = reward_fn(list(prompts), list(responses), **{k: list(v) for k, v in columns.items()})
+    try:
+        result = reward_fn(list(prompts), list(responses), **{k: list(v) for k, v in columns.items()})
+    except Exception as error:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        raise RewardFunctionError(
+            f"reward function {name} raised {type(error).__name__}: {error} ({frame.filename} line {frame.lineno})"
+        ) from error
     if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__len__"):
         raise ValueError(f"reward function {name} must return a list of floats, got {type(result).__name__}")
     try:

@@ -90,6 +90,28 @@ class CriticConfig(_Frozen):
 class RewardConfig(_Frozen):
     reward_fn: str = Field("auto", description="registered name, 'file.py:fn' or 'package.module:fn'")
     reward_model: ModelConfig | None = Field(None, description="a sequence-classification model instead of rules")
+    num_workers: int | None = Field(
+        None,
+        ge=0,
+        description="reward worker processes; 0 scores a rule in the compute_reward stage itself, where the batch "
+        "already is (default for rules); a reward model needs >= 1 (default 1)",
+    )
+
+    @model_validator(mode="after")
+    def _check_workers(self):
+        if self.reward_model is not None and self.num_workers == 0:
+            raise ValueError(
+                "reward.num_workers=0 scores rule functions in the stage itself; a reward model runs in reward "
+                "workers: set reward.num_workers >= 1 (or leave it unset)"
+            )
+        return self
+
+    @property
+    def worker_count(self) -> int:
+        """Reward worker processes to start: ``num_workers``, else 1 for a reward model and 0 for a rule."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return 1 if self.reward_model is not None else 0
 
 
 class WorkerConfig(_Frozen):
