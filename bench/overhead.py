@@ -1,13 +1,21 @@
-"""What a Prefect task costs on a Ray task runner: the project's ``WarmRayTaskRunner`` against prefect-ray's stock
-``RayTaskRunner`` and against calling the same function in a plain loop, in one process, one Ray, one run.
+"""What the controller costs: the project's ``WarmRayTaskRunner`` against prefect-ray's stock ``RayTaskRunner`` and
+against no Prefect at all, in one process, one Ray, one run. Two measurements, each printing its ratio:
 
-A flow runs one task (so the runner's processes are up), then submits ``--tasks`` chained tasks (each takes the
-previous one's result, as the RL stages do) that each call a trivial method of a Ray actor (as a stage calls its
-WorkerGroup); the per-task cost is their wall time minus the plain loop's, divided by the number of tasks. Median
-of ``--repeats`` flows after one warm-up flow per runner. Needs the servers (`rlflow server up`, or PREFECT_API_URL
-/ MLFLOW_TRACKING_URI in the environment). Prints the ratio stock / warm last.
+1. **Per task.** A flow runs one task (so the runner's processes are up), then submits ``--tasks`` chained tasks
+   (each takes the previous one's result, as the RL stages do) that each call a trivial method of a Ray actor (as a
+   stage calls its WorkerGroup); the per-task cost is their wall time minus a plain loop's, divided by the number
+   of tasks. Median of ``--repeats`` flows after one warm-up flow per runner.
+2. **The demo GRPO step.** The worker groups of configs/demo.yaml (``--config``; actor and reference as its
+   trainer settings say, the rule reward in the stage), built once; then rounds of ``--steps`` GRPO steps, each
+   round once per way of driving them: the stage tasks of flows/stages.py submitted as flows/grpo.py does, on
+   ``WarmRayTaskRunner`` and on stock ``RayTaskRunner``; and the same stage functions called in a plain loop on the
+   WorkerGroups (``Task.fn``: no Prefect; the three concurrent stages on threads, as the runner overlaps them).
+   Each way's first step of a round is its warm-up and not counted; the ways alternate their order per round.
+   The controller's share of a step: ``1 - plain / runner`` of the median step times (the goal is <= 0.05).
 
-    .venv/bin/python bench/overhead.py [--tasks 40] [--repeats 3]
+Needs the servers (`rlflow server up`, or PREFECT_API_URL / MLFLOW_TRACKING_URI in the environment).
+
+    .venv/bin/python bench/overhead.py [--tasks 40] [--repeats 3] [--steps 6] [--rounds 3] [--config demo]
 """
 
 from __future__ import annotations
@@ -15,11 +23,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
 
 from flows.task_runner import WarmRayTaskRunner
 
@@ -54,28 +64,156 @@ def plain_loop(actor, tasks: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    from flows.preflight import use_running_services
-
-    use_running_services()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+def per_task_cost(tasks: int, repeats: int) -> None:
     actor = Echo.remote()
-    loop = statistics.median(plain_loop(actor, args.tasks) for _ in range(args.repeats))
+    loop = statistics.median(plain_loop(actor, tasks) for _ in range(repeats))
     per_task = {}
     for name, runner in (("stock RayTaskRunner", RayTaskRunner), ("WarmRayTaskRunner", WarmRayTaskRunner)):
         run = chain.with_options(task_runner=runner())
         run(actor, 3)  # warm-up: imports, the Ray worker or host process, the events connection
-        walls = [run(actor, args.tasks) for _ in range(args.repeats)]
-        per_task[name] = (statistics.median(walls) - loop) / args.tasks
-        spread = ", ".join(f"{(w - loop) / args.tasks * 1000:.1f}" for w in walls)
+        walls = [run(actor, tasks) for _ in range(repeats)]
+        per_task[name] = (statistics.median(walls) - loop) / tasks
+        spread = ", ".join(f"{(w - loop) / tasks * 1000:.1f}" for w in walls)
         print(f"{name:22s} {per_task[name] * 1000:7.1f} ms per task  (runs: {spread} ms)")
-    print(f"{'plain loop':22s} {loop / args.tasks * 1000:7.1f} ms per call (not counted above)")
+    print(f"{'plain loop':22s} {loop / tasks * 1000:7.1f} ms per call (not counted above)")
     ratio = per_task["stock RayTaskRunner"] / per_task["WarmRayTaskRunner"]
     print(f"ratio stock / warm per-task cost: {ratio:.1f}x")
+
+
+# ------------------------------------------------------------------------------------------- the demo GRPO step
+def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> float:
+    """One GRPO step as flows/grpo.py runs it; ``submit(stage, *args)`` returns something with ``.result()``."""
+    from flows.stages import (
+        compute_advantage,
+        compute_log_prob,
+        compute_ref_log_prob,
+        compute_reward,
+        generate_sequences,
+        update_actor,
+    )
+
+    actor, ref, reward = groups["actor"], groups["ref"], groups["reward"]
+    start = time.perf_counter()
+    gen = submit(generate_sequences, actor, prompts, step)
+    scores = submit(compute_reward, reward, gen, step)
+    old = submit(compute_log_prob, actor, gen, step)
+    ref_lp = submit(compute_ref_log_prob, ref, gen, step)
+    batch = submit(compute_advantage, gen, [scores, old, ref_lp], algorithm, None, step)
+    submit(update_actor, actor, batch, step).result()
+    return time.perf_counter() - start
+
+
+class Done:
+    """A plain loop's "future": the value, already there."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def plain_submit(pool: ThreadPoolExecutor):
+    """The stage function itself (``Task.fn``), no Prefect: the arguments resolved first, as the runner resolves
+    upstream futures; ``compute_reward`` / ``compute_log_prob`` / ``compute_ref_log_prob`` run on threads (the
+    runner runs them at once too)."""
+
+    def resolve(value):
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        return value.result() if hasattr(value, "result") else value
+
+    def submit(stage_task, *args):
+        if stage_task.name in ("compute_reward", "compute_log_prob", "compute_ref_log_prob"):
+            return pool.submit(lambda: stage_task.fn(*[resolve(a) for a in args]))
+        return Done(stage_task.fn(*[resolve(a) for a in args]))
+
+    return submit
+
+
+def demo_step(config_name: str, steps: int, rounds: int) -> None:
+    from flows.config import load_config
+    from flows.runtime import _build_groups, dataset_rows
+    from rlworkers.data.batching import prompt_batch
+    from rlworkers.data.datasets import PromptDataLoader
+    from rlworkers.models.loading import load_tokenizer, resolve_model_path
+
+    config = load_config(config_name, [])
+    model_path = str(resolve_model_path(config.model.path))
+    tokenizer = load_tokenizer(model_path)
+    rows = dataset_rows(config, "train", tokenizer)
+    loader = PromptDataLoader(rows, batch_size=config.data.train_batch_size, shuffle=True, seed=config.trainer.seed)
+    data = config.data
+
+    def batches() -> list:
+        return [
+            prompt_batch(loader.next_batch(), tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key)
+            for _ in range(steps + 1)
+        ]
+
+    started = time.perf_counter()
+    groups = _build_groups(config, ("actor", "ref", "reward"), model_path)
+    print(
+        f"\ndemo GRPO step ({config_name}: {config.trainer.n_workers} actor workers, reference "
+        f"{'in the actor' if config.trainer.colocate_ref else 'group'}, {config.data.train_batch_size} prompts x "
+        f"{config.rollout.n}, {config.rollout.response_length} new tokens); groups built in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    algorithm = config.algorithm.model_dump()
+    ways = {
+        "plain loop (no Prefect)": None,
+        "WarmRayTaskRunner": WarmRayTaskRunner,
+        "stock RayTaskRunner": RayTaskRunner,
+    }
+    walls: dict[str, list[float]] = {name: [] for name in ways}
+    with ThreadPoolExecutor(3) as pool:
+        for round_ in range(rounds):
+            for name in ways if round_ % 2 == 0 else reversed(ways):
+                runner = ways[name]
+                if runner is None:
+                    submit = plain_submit(pool)
+                    times = [grpo_step(groups, p, algorithm, s, submit) for s, p in enumerate(batches())]
+                else:  # the groups and batches reach the flow by closure: flow parameters go to the Prefect API
+                    prompts = batches()
+
+                    @flow(name="overhead-bench-grpo", persist_result=False, task_runner=runner())
+                    def grpo_steps() -> list[float]:
+                        with remote_options(num_cpus=0, max_retries=0):  # as Run.training() submits the stages
+                            return [
+                                grpo_step(groups, p, algorithm, s, lambda stage_task, *args: stage_task.submit(*args))
+                                for s, p in enumerate(prompts)
+                            ]
+
+                    times = grpo_steps()
+                walls[name] += times[1:]
+    plain = statistics.median(walls["plain loop (no Prefect)"])
+    for name, times in walls.items():
+        median = statistics.median(times)
+        share = 1 - plain / median
+        spread = f"{min(times):.3f}-{max(times):.3f}"
+        print(
+            f"{name:24s} median step {median:.3f} s  (range {spread}, {len(times)} steps)  controller share {share:.3f}"
+        )
+    warm, stock = (statistics.median(walls[k]) for k in ("WarmRayTaskRunner", "stock RayTaskRunner"))
+    print(f"controller share of the step, WarmRayTaskRunner: {1 - plain / warm:.3f} (stock: {1 - plain / stock:.3f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per way and round (the first is warm-up)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--config", default="demo")
+    args = parser.parse_args()
+    from flows.preflight import use_running_services
+    from flows.runtime import ray_settings
+
+    use_running_services()
+    address, init_kwargs = ray_settings(None, None)
+    ray.init(address, **init_kwargs)
+    per_task_cost(args.tasks, args.repeats)
+    demo_step(args.config, args.steps, args.rounds)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ the task (``reward.reward_fn`` = auto -> exact answer, rlworkers.rewards; TRL ca
   ``rlflow train grpo --config demo model.path=<sft model> trainer.total_steps=N`` (+ a fresh run name, and no
   validation or checkpoint in between: test_freq=0, save_freq=0). That is Ray with 2 data-parallel workers (one
   thread each), a Prefect flow and MLflow tracking; besides the steps the job validates at its start and end, saves
-  a checkpoint and the final model and logs the model to MLflow. Per-step wall time (``timing_s/step``) and mean
-  reward (``critic/score/mean``) are read back from MLflow.
+  a checkpoint and the final model and logs the model to MLflow. Per-step wall time (from one step's metrics to the
+  next's, by their MLflow time stamps: what the controller does between steps counts, as in TRL's clock; the first
+  step: its ``timing_s/step``) and mean reward (``critic/score/mean``) are read back from MLflow.
 - TRL runs in a child process too (this file with ``--trl-child``): one process on all cores, ``report_to="none"``,
   ``save_model`` at the end. One rlflow step = one generation batch of 256 samples = two TRL optimizer steps; a
   callback times each pair, the reward adapter records each batch's mean reward.
@@ -199,11 +200,16 @@ def run_rlflow(config, samples_per_step: int, tag: str, overrides: tuple[str, ..
     experiment = client.get_experiment_by_name(config.trainer.project_name)
     run = client.search_runs([experiment.experiment_id], filter_string=f"tags.`rlflow.run_name` = '{run_name}'")[0]
 
-    def history(metric: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)]
+    def history(metric: str) -> list:
+        return sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
 
+    # A step's wall time runs from the previous step's metrics to its own (their MLflow time stamps), so what the
+    # controller does between steps counts, as it does in TRL's clock; the first step: its own timing_s/step.
+    steps = history("timing_s/step")
+    walls = [steps[0].value] + [(b.timestamp - a.timestamp) / 1000 for a, b in zip(steps, steps[1:])]
+    rewards = [m.value for m in history("critic/score/mean")]
     shutil.rmtree(runs_dir / run_name, ignore_errors=True)  # checkpoint and final model: not needed here
-    return summarise(history("timing_s/step"), history("critic/score/mean"), wall, samples_per_step, load)
+    return summarise(walls, rewards, wall, samples_per_step, load)
 
 
 def run_trl(spec: dict, samples_per_step: int, tag: str) -> dict:

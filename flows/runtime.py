@@ -207,7 +207,7 @@ class Run:
         if "response_length/mean" in metrics:
             tokens = metrics["response_length/mean"] * self.config.data.train_batch_size * self.config.rollout.n
             metrics["perf/throughput"] = tokens / wall
-        self.tracker.log_metrics(metrics, step)
+        self.tracker.log_metrics(metrics, step, wait=False)  # sent in order by MLflow's thread; close() waits
         self.last_metrics = metrics
         if self.progress:
             self.progress.update(step)
@@ -445,6 +445,8 @@ class Run:
     def close(self, status: str) -> None:
         if self.terminal:
             self.terminal.stop()
+        if self.progress:
+            self.progress.close()
         for group in self.distinct_groups().values():
             group.shutdown()
             if group.resource_pool is not None:
@@ -837,7 +839,7 @@ def ray_task_runner():
     Every Ray worker, on every node, gets the service URLs in its environment."""
     from flows.task_runner import WarmRayTaskRunner
 
-    return WarmRayTaskRunner(host_env=_service_env)
+    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", "rlworkers.workers.reward"))
 
 
 def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:

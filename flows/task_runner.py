@@ -25,6 +25,9 @@ settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only
 ``flows.runtime.start_run`` passes them. A flow that never calls it gets Ray with the runner's own ``address`` and
 ``init_kwargs`` at its first submit.
 
+The host starts with the flow's Ray, and at once imports the modules the tasks come from (``preload``) and opens
+its client, while the flow builds its worker groups: the first task does not wait for them.
+
 When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed.
 The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
 ``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
@@ -81,6 +84,17 @@ class TaskHost:
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
         self._lock = threading.Lock()
 
+    def warm_up(self, modules: tuple[str, ...]) -> None:
+        """Import ``modules`` (those the tasks will be unpickled from) and open the Prefect client now, while the
+        flow builds its worker groups, instead of in the first task."""
+        import importlib
+
+        from prefect.settings import get_current_settings
+
+        for module in modules:
+            importlib.import_module(module)
+        self._client(get_current_settings().api.url or "")
+
     def drain(self) -> None:
         """Send what the task runs logged and the state events still queued here (before the host is killed)."""
         from prefect.events.worker import EventsWorker
@@ -136,23 +150,28 @@ class WarmRayTaskRunner(RayTaskRunner):
         address: str | None = None,
         init_kwargs: dict[str, Any] | None = None,
         host_env: Callable[[], dict[str, str]] | None = None,
+        preload: tuple[str, ...] = (),
     ):
         """``host_env``: the environment variables the task host gets, computed when it starts (in the flow's
-        process, so they are that process's values then, not when the runner was built)."""
+        process, so they are that process's values then, not when the runner was built). ``preload``: modules the
+        host imports as soon as it starts (where the tasks are defined), so that the first task does not wait for
+        them."""
         super().__init__(address=address, init_kwargs=init_kwargs)
         self.host_env = host_env
+        self.preload = tuple(preload)
         self._host = None
         self._host_lock = threading.Lock()
         self._settings: tuple[dict, tuple[str, list]] | None = None
 
     def duplicate(self):
-        return type(self)(address=self.address, init_kwargs=self.init_kwargs, host_env=self.host_env)
+        return type(self)(self.address, self.init_kwargs, self.host_env, self.preload)
 
     def __eq__(self, other: object) -> bool:
-        return super().__eq__(other) and getattr(other, "host_env", None) == self.host_env
+        same = (getattr(other, "host_env", None), getattr(other, "preload", None)) == (self.host_env, self.preload)
+        return super().__eq__(other) and same
 
     def __reduce__(self):  # it travels inside the flow, in every task's context: as an unstarted copy
-        return type(self), (self.address, self.init_kwargs, self.host_env)
+        return type(self), (self.address, self.init_kwargs, self.host_env, self.preload)
 
     def __enter__(self):
         TaskRunner.__enter__(self)  # not RayTaskRunner's, which would start Ray now: see start_ray
@@ -196,6 +215,7 @@ class WarmRayTaskRunner(RayTaskRunner):
                     )
                     .remote()
                 )
+                self._host.warm_up.remote(self.preload)  # not waited for: runs while the flow builds its groups
             return self._host
 
     def submit(

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
@@ -35,6 +36,7 @@ class Tracker:
 
     def __init__(self, experiment: str, run_name: str, *, run_id: str | None = None, tags: dict | None = None):
         self.client = MlflowClient()
+        self._sending: list = []  # MLflow RunOperations of metrics logged without waiting
         existing = self.client.get_experiment_by_name(experiment)
         self.experiment_id = existing.experiment_id if existing else self.client.create_experiment(experiment)
         if run_id is None:
@@ -70,7 +72,9 @@ class Tracker:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, wait: bool = True) -> None:
+        """Log ``metrics`` at ``step``, time-stamped now. ``wait=False``: MLflow's async logging sends them from its
+        own thread, in order (a training step does not wait for the server); ``finish`` waits for them."""
         now = int(time.time() * 1000)
         items = [
             Metric(sanitize_metric_name(k), float(v), now, step)
@@ -78,7 +82,9 @@ class Tracker:
             if isinstance(v, (int, float)) and math.isfinite(float(v))
         ]
         for start in range(0, len(items), 500):
-            self.client.log_batch(self.run_id, metrics=items[start : start + 500])
+            sent = self.client.log_batch(self.run_id, metrics=items[start : start + 500], synchronous=wait)
+            if sent is not None:
+                self._sending.append(sent)
 
     def log_table(self, rows: list[dict], artifact_file: str) -> None:
         columns = {key: [row.get(key) for row in rows] for key in (rows[0] if rows else {})}
@@ -112,6 +118,14 @@ class Tracker:
         return info
 
     def finish(self, status: str = "FINISHED") -> None:
+        """Wait for the metrics still being sent (a failure to send them is logged, not raised: the run's outcome
+        stands), then end the MLflow run with ``status``."""
+        for sent in self._sending:
+            try:
+                sent.wait()
+            except Exception as error:
+                logger.warning("MLflow run %s: some metrics were not logged: %s", self.run_id, error)
+        self._sending.clear()
         self.client.set_terminated(self.run_id, status=status)
 
 
@@ -163,6 +177,7 @@ class ProgressArtifact:
         from prefect.artifacts import create_progress_artifact
 
         self.run_name, self.total, self.restarts = run_name, total, 0
+        self._sending = ThreadPoolExecutor(1, thread_name_prefix="rlflow-progress")
         self.id = create_progress_artifact(
             progress=0.0, key=f"{artifact_key(run_name)}-progress", description=self._description()
         )
@@ -172,10 +187,23 @@ class ProgressArtifact:
         return f"training progress of {self.run_name}{restarts}"
 
     def update(self, step: int, restarts: int | None = None) -> None:
+        """Send the progress from a thread of its own (in order): a training step does not wait for the server."""
         from prefect.artifacts import update_progress_artifact
 
         self.restarts = self.restarts if restarts is None else restarts
-        update_progress_artifact(self.id, progress=100.0 * step / self.total, description=self._description())
+        progress, description = 100.0 * step / self.total, self._description()
+
+        def send() -> None:
+            try:
+                update_progress_artifact(self.id, progress=progress, description=description)
+            except Exception as error:  # the run goes on; the next update may get through
+                logger.warning("the progress artifact of %s was not updated: %s", self.run_name, error)
+
+        self._sending.submit(send)
+
+    def close(self) -> None:
+        """Wait until every update was sent."""
+        self._sending.shutdown(wait=True)
 
 
 def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0) -> list[str]:
