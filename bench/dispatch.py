@@ -11,7 +11,10 @@ For each batch size (1, 16, 128 MB) and worker count (1, 2, 4) this times:
 * ``put/get``: one ``ray.put`` + ``ray.get`` of the whole tensor dict (no workers), for scale.
 
 and prints ``ratio = rlflow / raw`` (goal: <= 1.3 at 128 MB) and ``vs-np = rlflow / raw-np`` (what the controller
-costs over the best plain-Ray transfer). Median of ``--repeats`` runs after one warm-up.
+costs over the best plain-Ray transfer). Then chaining (``chaining``): group A's output into group B as a
+``DataProtoFuture`` against collecting it on the driver and dispatching it again, for A->B of 4->4, 4->2 and 2->3
+workers (``--chain-sizes-mb``), printing ``chained / driver`` (goal: <= 1.0). Median of ``--repeats`` runs after
+one warm-up.
 
     .venv/bin/python bench/dispatch.py [--sizes-mb 1 16 128] [--workers 1 2 4] [--repeats 5]
 """
@@ -35,6 +38,10 @@ ROWS = 512
 class IdentityWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def identity(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def identity_async(self, data: DataProto) -> DataProto:
         return data
 
 
@@ -83,6 +90,7 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chain-sizes-mb", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
 
     ray.init(
@@ -114,7 +122,30 @@ def main() -> None:
         pool.remove()
         for actor in actors:
             ray.kill(actor)
+    chaining(args.chain_sizes_mb, args.repeats)
     ray.shutdown()
+
+
+def chaining(sizes_mb: list[int], repeats: int) -> None:
+    """Group A's output into group B: chained (A's non-blocking call returns a DataProtoFuture; each B rank fetches
+    only the chunks it needs) against the driver round trip (A's blocking call collects on the driver, B's call
+    dispatches again). Both end with B's output collected on the driver."""
+    print(f"\n{'MB':>5} {'A->B':>5} {'driver s':>9} {'chained s':>10} {'chained / driver':>17}")
+    for n_a, n_b in ((4, 4), (4, 2), (2, 3)):
+        pools = [RayResourcePool([n], use_gpu=False, max_colocate_count=1, cpus_per_worker=1) for n in (n_a, n_b)]
+        a, b = (
+            RayWorkerGroup(resource_pool=p, ray_cls_with_init=RayClassWithInitArgs(cls=IdentityWorker)) for p in pools
+        )
+        for size in sizes_mb:
+            tensors = make_tensors(size)
+            data = DataProto.from_dict(tensors)
+            assert torch.equal(b.identity(a.identity_async(data)).batch["log_probs"], tensors["log_probs"])
+            driver = timed(lambda: b.identity(a.identity(data)), repeats)
+            chained = timed(lambda: b.identity(a.identity_async(data)), repeats)
+            print(f"{size:>5} {n_a:>2}->{n_b:<2} {driver:>9.4f} {chained:>10.4f} {chained / driver:>17.2f}", flush=True)
+        for group, pool in zip((a, b), pools):
+            group.shutdown()
+            pool.remove()
 
 
 if __name__ == "__main__":

@@ -81,8 +81,9 @@ def per_task_cost(tasks: int, repeats: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the demo GRPO step
-def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> float:
-    """One GRPO step as flows/grpo.py runs it; ``submit(stage, *args)`` returns something with ``.result()``."""
+def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> dict:
+    """One GRPO step as flows/grpo.py runs it; ``submit(stage, *args)`` returns something with ``.result()``.
+    Returns the stages' ``timing_s/...`` (time in each stage's body) and the step's wall time as ``step``."""
     from flows.stages import (
         compute_advantage,
         compute_log_prob,
@@ -99,8 +100,8 @@ def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> floa
     old = submit(compute_log_prob, actor, gen, step)
     ref_lp = submit(compute_ref_log_prob, ref, gen, step)
     batch = submit(compute_advantage, gen, [scores, old, ref_lp], algorithm, None, step)
-    submit(update_actor, actor, batch, step).result()
-    return time.perf_counter() - start
+    metrics = submit(update_actor, actor, batch, step).result()
+    return {"step": time.perf_counter() - start, **{k: v for k, v in metrics.items() if k.startswith("timing_s/")}}
 
 
 class Done:
@@ -165,7 +166,7 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
         "WarmRayTaskRunner": WarmRayTaskRunner,
         "stock RayTaskRunner": RayTaskRunner,
     }
-    walls: dict[str, list[float]] = {name: [] for name in ways}
+    walls: dict[str, list[dict]] = {name: [] for name in ways}
     with ThreadPoolExecutor(3) as pool:
         for round_ in range(rounds):
             for name in ways if round_ % 2 == 0 else reversed(ways):
@@ -177,7 +178,7 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
                     prompts = batches()
 
                     @flow(name="overhead-bench-grpo", persist_result=False, task_runner=runner())
-                    def grpo_steps() -> list[float]:
+                    def grpo_steps() -> list[dict]:
                         with remote_options(num_cpus=0, max_retries=0):  # as Run.training() submits the stages
                             return [
                                 grpo_step(groups, p, algorithm, s, lambda stage_task, *args: stage_task.submit(*args))
@@ -186,21 +187,25 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
 
                     times = grpo_steps()
                 walls[name] += times[1:]
-    plain = statistics.median(walls["plain loop (no Prefect)"])
-    for name, times in walls.items():
-        median = statistics.median(times)
-        share = 1 - plain / median
-        spread = f"{min(times):.3f}-{max(times):.3f}"
-        print(
-            f"{name:24s} median step {median:.3f} s  (range {spread}, {len(times)} steps)  controller share {share:.3f}"
-        )
-    warm, stock = (statistics.median(walls[k]) for k in ("WarmRayTaskRunner", "stock RayTaskRunner"))
-    print(f"controller share of the step, WarmRayTaskRunner: {1 - plain / warm:.3f} (stock: {1 - plain / stock:.3f})")
+    stages = [k for k in walls["plain loop (no Prefect)"][0] if k != "step"]
+    print(f"{'median s':24s} {'step':>6s} " + " ".join(f"{k.removeprefix('timing_s/'):>12s}" for k in stages))
+    median = {
+        name: {k: statistics.median(t[k] for t in times) for k in ["step", *stages]} for name, times in walls.items()
+    }
+    for name, m in median.items():
+        print(f"{name:24s} {m['step']:6.3f} " + " ".join(f"{m[k]:12.3f}" for k in stages))
+    plain = median["plain loop (no Prefect)"]["step"]
+    warm, stock = (median[k]["step"] for k in ("WarmRayTaskRunner", "stock RayTaskRunner"))
+    print(f"(the stage columns: time in each stage's body; steps of {steps} per way and round, {rounds} rounds)")
+    print(
+        "controller share of the step (1 - plain / runner): "
+        f"WarmRayTaskRunner {1 - plain / warm:.3f}, stock {1 - plain / stock:.3f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=40)
+    parser.add_argument("--tasks", type=int, default=40, help="chained tasks of the per-task part (0: skip it)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per way and round (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -212,7 +217,8 @@ def main() -> None:
     use_running_services()
     address, init_kwargs = ray_settings(None, None)
     ray.init(address, **init_kwargs)
-    per_task_cost(args.tasks, args.repeats)
+    if args.tasks:
+        per_task_cost(args.tasks, args.repeats)
     demo_step(args.config, args.steps, args.rounds)
 
 

@@ -17,6 +17,7 @@ store as a client, exactly as under torchrun's agent, so user code that calls
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -59,13 +60,27 @@ def _start_rendezvous_store(world_size: int) -> tuple[str, int]:
         _RENDEZVOUS_STORE = torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
         os.environ["MASTER_ADDR"] = host
         os.environ["MASTER_PORT"] = str(_RENDEZVOUS_STORE.port)
-        if os.environ.get(RENDEZVOUS_KEY_ENV):  # the group waits for this before it starts the other ranks
+        if os.environ.get(RENDEZVOUS_KEY_ENV):  # the other ranks wait for it (_await_rendezvous_store)
             from ray.experimental.internal_kv import _internal_kv_put
 
             _internal_kv_put(os.environ[RENDEZVOUS_KEY_ENV], f"{host}:{_RENDEZVOUS_STORE.port}")
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def _await_rendezvous_store(key: str, timeout_s: float = 600.0, poll_s: float = 0.02) -> None:
+    """A group's rank > 0: the address rank 0's store was bound to, once rank 0 publishes it under ``key`` (the
+    group starts every rank at once; each waits only here, for rank 0's process to get this far)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    deadline = time.monotonic() + timeout_s
+    while (published := _internal_kv_get(key)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 of this worker group published no rendezvous address within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    host, port = published.decode().rsplit(":", 1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
 
 
 class Worker:
@@ -80,9 +95,12 @@ class Worker:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         if self._rank == 0 and not os.environ.get("MASTER_PORT"):  # a group's rank 0 gets it empty: see below
             _start_rendezvous_store(self._world_size)
-        elif os.environ.get("MASTER_PORT"):
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-            os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
+        else:
+            if not os.environ.get("MASTER_PORT") and os.environ.get(RENDEZVOUS_KEY_ENV):
+                _await_rendezvous_store(os.environ[RENDEZVOUS_KEY_ENV])
+            if os.environ.get("MASTER_PORT"):
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+                os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
         self._master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self._master_port = os.environ.get("MASTER_PORT")
         self.__dispatch_dp_rank: dict[str, int] = {}

@@ -299,14 +299,14 @@ def _placed(pg: PlacementGroup) -> bool:
 
 def _published_rendezvous(rank_zero, key: str, cls_name: str, poll_s: float = 0.05) -> tuple[str, str]:
     """The "host:port" rank 0 publishes when its Worker.__init__ binds the store (see base/worker.py), read
-    while the rest of its __init__ may still run; a failed constructor raises WorkerError for rank 0."""
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+    while the rest of its __init__ may still run; a failed constructor raises WorkerError for rank 0. The key stays
+    until every rank has read it (the group deletes it)."""
+    from ray.experimental.internal_kv import _internal_kv_get
 
     constructed = rank_zero.__ray_ready__.remote()
     while True:
         published = _internal_kv_get(key)
         if published is not None:
-            _internal_kv_del(key)
             host, port = published.decode().rsplit(":", 1)
             return host, port
         done, _ = ray.wait([constructed], timeout=poll_s)
@@ -558,11 +558,11 @@ class RayWorkerGroup(WorkerGroup):
                 "RAY_LOCAL_WORLD_SIZE": str(ranks_on_pg[pg_idx]),
                 **worker_env,
             }
-            if rank > 0:
-                env.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port))
-            else:  # rank 0 binds a new store: never one named by what Ray's processes inherited (a driver
-                env.update(MASTER_ADDR="", MASTER_PORT="")  # under torchrun, or one that ran a Worker itself)
-                env[RENDEZVOUS_KEY_ENV] = rendezvous_key
+            # Rank 0 binds a new store (never one named by what Ray's processes inherited: a driver under torchrun,
+            # or one that ran a Worker itself) and publishes its address under the key; every rank starts at once,
+            # and the others read the address in Worker.__init__.
+            env.update(MASTER_ADDR="", MASTER_PORT="")
+            env[RENDEZVOUS_KEY_ENV] = rendezvous_key
             name = f"{self.name_prefix}{cls_name}_{pg_idx}:{bundle}"
             worker = self.ray_cls_with_init(
                 pg,
@@ -576,12 +576,16 @@ class RayWorkerGroup(WorkerGroup):
             )
             self._workers.append(worker)
             self._worker_names.append(name)
-            if rank == 0:  # rank 0 binds the rendezvous port; the others are created knowing it
-                self._master_addr, self._master_port = _published_rendezvous(worker, rendezvous_key, cls_name)
         # Surface constructor errors now, with the rank, rather than at the first call; learn where each rank runs.
-        described = get_with_rank(
-            [w.describe_process.remote() for w in self._workers], list(range(world_size)), f"{cls_name}.__init__"
-        )
+        try:
+            self._master_addr, self._master_port = _published_rendezvous(self._workers[0], rendezvous_key, cls_name)
+            described = get_with_rank(
+                [w.describe_process.remote() for w in self._workers], list(range(world_size)), f"{cls_name}.__init__"
+            )
+        finally:
+            from ray.experimental.internal_kv import _internal_kv_del
+
+            _internal_kv_del(rendezvous_key)
         self._worker_processes = [
             WorkerProcess(worker_class=cls_name, actor_name=name, **info)
             for name, info in zip(self._worker_names, described)
