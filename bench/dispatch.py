@@ -94,7 +94,10 @@ def main() -> None:
     args = parser.parse_args()
 
     ray.init(
-        num_cpus=max(args.workers) * 2 + 2, include_dashboard=False, log_to_driver=False, object_store_memory=4 * 2**30
+        num_cpus=max(max(args.workers) * 2 + 2, 10),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=4 * 2**30,
     )
     print(
         f"{'MB':>5} {'workers':>7} {'put/get s':>10} {'raw s':>8} {'raw-np s':>9} {'rlflow s':>9} "

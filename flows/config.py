@@ -101,9 +101,9 @@ class TrainerConfig(_Frozen):
     resume: str = Field("auto", description="'auto' (newest valid checkpoint of run_name), 'never', or a path")
     n_workers: int = Field(2, gt=0, description="data-parallel actor workers")
     colocate_ref: bool = Field(
-        False,
-        description="the reference model lives in the actor's worker processes "
-        "(verl's actor_rollout_ref): no reference group to start, its log-probs data-parallel",
+        True,
+        description="the reference model lives in the actor's worker processes (verl's actor_rollout_ref): no "
+        "reference group to start, its log-probs data-parallel; false: a one-worker reference group of its own",
     )
     device: Literal["cpu", "cuda"] = "cpu"
     ray_address: str | None = Field(None, description="existing Ray cluster; unset = start a local one")
