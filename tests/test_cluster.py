@@ -139,6 +139,8 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
             "rollout.n=4",
             "actor.ppo_mini_batch_size=16",
             "actor.ppo_micro_batch_size_per_gpu=8",
+            "trainer.colocate_ref=false",  # a reference and a reward group beside the actor's: 3.5 CPUs in all,
+            "reward.num_workers=1",  # more than either node holds alone
         ]
 
     clean = subprocess.run(

@@ -285,6 +285,54 @@ def test_fused_worker_subclass_and_fuse(ray_cluster):
         pool.remove()
 
 
+class Rollout(Worker):
+    @register(dispatch_mode=Dispatch.DIRECT_ROLLOUT_METHOD)
+    def wake_up(self):
+        return f"rank {self.rank} awake"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self):
+        return self.rank
+
+
+class Critic(Worker):
+    @register(dispatch_mode=Dispatch.DIRECT_ROLLOUT_METHOD)
+    def resume(self):
+        return "critic"
+
+
+def test_direct_rollout_methods_are_called_on_the_actor(ray_cluster):
+    """verl's Dispatch.DIRECT_ROLLOUT_METHOD: a rollout role's direct method is bound on the colocated class under
+    its plain name, for callers that hold the actor; through a worker group it raises. Another role's keeps only
+    its prefixed name."""
+    fused = create_colocated_worker_raw_cls(
+        {"actor_rollout": RayClassWithInitArgs(cls=Rollout), "critic": RayClassWithInitArgs(cls=Critic)}
+    )
+    assert hasattr(fused, "wake_up") and hasattr(fused, "actor_rollout_wake_up")
+    assert not hasattr(fused, "resume") and hasattr(fused, "critic_resume")
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(fused)))
+    try:
+        assert ray.get([worker.wake_up.remote() for worker in group.workers]) == ["rank 0 awake", "rank 1 awake"]
+        roles = group.spawn({"actor_rollout"})
+        assert roles["actor_rollout"].ping() == [0, 1]
+        with pytest.raises(TypeError, match="call it on the worker's actor directly"):
+            roles["actor_rollout"].wake_up()
+    finally:
+        group.shutdown()
+        pool.remove()
+
+    class Clash(Worker):
+        @register(dispatch_mode=Dispatch.DIRECT_ROLLOUT_METHOD)
+        def wake_up(self):
+            return 0
+
+    with pytest.raises(ValueError, match="direct rollout method 'wake_up' of role 'rollout' clashes"):
+        create_colocated_worker_raw_cls(
+            {"a_rollout": RayClassWithInitArgs(cls=Rollout), "rollout": RayClassWithInitArgs(cls=Clash)}
+        )
+
+
 # ----------------------------------------------------------------------------- environment and keywords
 class EnvWorker(Worker):
     pass

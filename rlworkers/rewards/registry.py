@@ -214,8 +214,8 @@ def describe_reward_fn(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{qualname}"
 
 
-class RewardFunctionError(RuntimeError):
-    """The reward function raised: a bug in it (or in the data it was given), not a fault a restart would cure."""
+class RewardFunctionError(ValueError):
+    """The reward function raised: a bug in it (or a column the data lacks), not a fault a restart would cure."""
 
 
 def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], **columns) -> list[float]:

@@ -78,6 +78,7 @@ for _name in (
     "DP_COMPUTE_PROTO",
     "DP_COMPUTE_PROTO_WITH_FUNC",
     "DP_COMPUTE_METRIC",
+    "DIRECT_ROLLOUT_METHOD",
 ):
     Dispatch.register(_name)
 for _name in ("ALL", "RANK_ZERO"):
@@ -243,6 +244,16 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Callable]
     }
 
 
+def direct_call_only(worker_group, *args, **kwargs):
+    """``Dispatch.DIRECT_ROLLOUT_METHOD``: such a method is called on the actor itself (an async rollout server
+    calls ``ray.get_actor(name).<method>.remote()``), never through a WorkerGroup. A colocated class binds it from
+    a role whose name contains "rollout" under its plain name (``ray/colocate.py``), as verl does."""
+    raise TypeError(
+        "this method is registered with Dispatch.DIRECT_ROLLOUT_METHOD: call it on the worker's actor directly "
+        "(group.workers[i].<method>.remote(...)), not through the worker group"
+    )
+
+
 DISPATCH_MODE_FN_REGISTRY: dict[Dispatch, dict[str, Callable]] = {
     Dispatch.ONE_TO_ALL: {"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_all_to_all},
     Dispatch.ALL_TO_ALL: {"dispatch_fn": dispatch_all_to_all, "collect_fn": collect_all_to_all},
@@ -256,6 +267,7 @@ DISPATCH_MODE_FN_REGISTRY: dict[Dispatch, dict[str, Callable]] = {
         "collect_fn": collect_dp_compute_data_proto,
     },
     Dispatch.DP_COMPUTE_METRIC: {"dispatch_fn": dispatch_dp_compute_data_proto, "collect_fn": collect_dp_compute},
+    Dispatch.DIRECT_ROLLOUT_METHOD: {"dispatch_fn": direct_call_only, "collect_fn": direct_call_only},
 }
 
 

@@ -4,13 +4,15 @@ The colocated class instantiates every role's worker in the same process, so act
 memory (and devices), and exposes each role's registered method ``m`` as ``<role>_m``. ``spawn`` then gives one
 WorkerGroup per role whose methods have the role's plain names; ``fuse`` puts those groups on the colocated group
 as ``group.<role>``. verl's two generations of colocation (WorkerDict and FusedWorker) are this one class.
+A ``Dispatch.DIRECT_ROLLOUT_METHOD`` method of a role whose name contains "rollout" is also bound under its plain
+name (verl's rule: an async rollout server calls it on the actor itself).
 """
 
 from __future__ import annotations
 
 import inspect
 
-from rlworkers.single_controller.base.decorator import MAGIC_ATTR
+from rlworkers.single_controller.base.decorator import MAGIC_ATTR, Dispatch
 from rlworkers.single_controller.base.worker import Worker
 from rlworkers.single_controller.base.worker_group import registered_methods
 from rlworkers.single_controller.ray.base import RayClassWithInitArgs
@@ -52,7 +54,13 @@ def create_colocated_worker_raw_cls(class_dict: dict[str, RayClassWithInitArgs])
     for role, (cls, _, _) in roles.items():
         for name, attrs in registered_methods(cls).items():
             is_async = inspect.iscoroutinefunction(getattr(cls, name))
-            setattr(FusedWorker, f"{role}_{name}", _role_method(role, name, attrs, is_async))
+            method = _role_method(role, name, attrs, is_async)
+            setattr(FusedWorker, f"{role}_{name}", method)
+            if attrs["dispatch_mode"] == Dispatch.DIRECT_ROLLOUT_METHOD and "rollout" in role:
+                # verl: a rollout role's direct method keeps its plain name, for callers that hold the actor
+                if hasattr(FusedWorker, name):
+                    raise ValueError(f"direct rollout method {name!r} of role {role!r} clashes with another {name!r}")
+                setattr(FusedWorker, name, method)
     FusedWorker.__name__ = FusedWorker.__qualname__ = "FusedWorker_" + "_".join(roles)
     return FusedWorker
 
