@@ -747,8 +747,8 @@ def _build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> 
     # a rule reward scores in the compute_reward stage (reward.num_workers=0): loaded here, before any worker starts
     in_stage = "reward" in roles and not config.reward.worker_count
     rule_reward = RuleReward(config.reward, model_path).load() if in_stage else None
-    colocated = {"ref": colocate_ref, "reward": rule_reward is not None}
-    wanted = [role for role in plans if role in roles and not colocated.get(role)]
+    no_group_of_its_own = {"ref": colocate_ref, "reward": rule_reward is not None}
+    wanted = [role for role in plans if role in roles and not no_group_of_its_own.get(role)]
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {
             role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
