@@ -60,6 +60,8 @@ __all__ = [
     "collate_fn",
     "serialize_single_tensor",
     "deserialize_single_tensor",
+    "serialize_tensordict",
+    "deserialize_tensordict",
     "all_gather_data_proto",
 ]
 
@@ -609,9 +611,8 @@ class DataProto:
     # ----------------------------------------------------------------------------------------- serialisation
     def __reduce__(self):
         # Tensors leave as numpy views so Ray (pickle protocol 5) moves their buffers out of band, zero-copy.
-        tensors = {} if self.batch is None else {k: serialize_single_tensor(v) for k, v in self.batch.items()}
-        batch_size = None if self.batch is None else list(self.batch.batch_size)
-        return _rebuild_dataproto, (type(self), tensors, batch_size, self.non_tensor_batch, self.meta_info)
+        batch = None if self.batch is None else serialize_tensordict(self.batch)
+        return _rebuild_dataproto, (type(self), batch, self.non_tensor_batch, self.meta_info)
 
     def __repr__(self) -> str:
         tensors = {} if self.batch is None else {k: (tuple(v.shape), str(v.dtype)) for k, v in self.batch.items()}
@@ -639,10 +640,35 @@ def deserialize_single_tensor(serialized: tuple[str, tuple[int, ...], Any]) -> t
     return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
 
 
-def _rebuild_dataproto(cls, tensors, batch_size, non_tensor_batch, meta_info) -> DataProto:
-    batch = None
-    if batch_size is not None:
-        batch = TensorDict({k: deserialize_single_tensor(v) for k, v in tensors.items()}, batch_size=batch_size)
+def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None, dict[str, tuple]]:
+    """``(batch size, device, {key: serialized tensor})`` as in verl: a dense tensor as ``serialize_single_tensor``
+    gives it, a nested (jagged) tensor as ``(layout name, [each row serialized])``."""
+    items = {}
+    for key, tensor in batch.items():
+        if tensor.is_nested:
+            rows = [serialize_single_tensor(row) for row in tensor.unbind()]
+            items[key] = (str(tensor.layout).removeprefix("torch."), rows)
+        else:
+            items[key] = serialize_single_tensor(tensor)
+    return tuple(batch.batch_size), None if batch.device is None else str(batch.device), items
+
+
+def deserialize_tensordict(serialized: tuple[tuple[int, ...], str | None, dict[str, tuple]]) -> TensorDict:
+    """The inverse of ``serialize_tensordict`` (nested tensors come back with their layout, on the CPU)."""
+    batch_size, device, items = serialized
+    tensors = {}
+    for key, item in items.items():
+        if len(item) == 2:
+            layout, rows = item
+            rows = [deserialize_single_tensor(row) for row in rows]
+            tensors[key] = torch.nested.as_nested_tensor(rows, layout=getattr(torch, layout))
+        else:
+            tensors[key] = deserialize_single_tensor(item)
+    return TensorDict(tensors, batch_size=batch_size, device=device)
+
+
+def _rebuild_dataproto(cls, batch, non_tensor_batch, meta_info) -> DataProto:
+    batch = None if batch is None else deserialize_tensordict(batch)
     return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
 
 

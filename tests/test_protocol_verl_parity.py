@@ -17,10 +17,12 @@ from rlworkers.protocol import (
     all_gather_data_proto,
     collate_fn,
     deserialize_single_tensor,
+    deserialize_tensordict,
     fold_batch_dim,
     list_of_dict_to_dict_of_list,
     pad_dataproto_to_divisor,
     serialize_single_tensor,
+    serialize_tensordict,
     unfold_batch_dim,
     union_numpy_dict,
     union_tensor_dict,
@@ -403,6 +405,43 @@ def test_serialize_single_tensor_round_trip():
         assert raw.nbytes == tensor.numel() * tensor.element_size()
         restored = deserialize_single_tensor((dtype, shape, bytes(raw)))
         assert restored.dtype == tensor.dtype and torch.equal(restored, tensor)
+
+
+def jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def test_serialize_tensordict_keeps_jagged_tensors_and_dtypes():
+    batch = TensorDict(
+        {
+            "ids": jagged([torch.tensor([1, 2, 3]), torch.tensor([4])]),
+            "positions": jagged([torch.arange(6.0).reshape(3, 2), torch.arange(2.0).reshape(1, 2)]),  # 3-D
+            "reward": torch.tensor([0.5, -1.0], dtype=torch.bfloat16),
+        },
+        batch_size=[2],
+    )
+    batch_size, device, items = serialize_tensordict(batch)
+    assert batch_size == (2,) and device is None
+    assert items["ids"][0] == "jagged" and len(items["ids"][1]) == 2  # (layout, one serialized tensor per row)
+    assert items["reward"][:2] == ("bfloat16", (2,))
+    restored = deserialize_tensordict((batch_size, device, items))
+    assert restored["ids"].is_nested and [r.tolist() for r in restored["ids"].unbind()] == [[1, 2, 3], [4]]
+    assert [r.shape for r in restored["positions"].unbind()] == [(3, 2), (1, 2)]
+    assert torch.equal(restored["positions"].unbind()[0], torch.arange(6.0).reshape(3, 2))
+    assert restored["reward"].dtype == torch.bfloat16 and restored["reward"].tolist() == [0.5, -1.0]
+
+
+def test_a_dataproto_with_a_jagged_column_pickles_chunks_and_concatenates():
+    import pickle
+
+    data = DataProto.from_dict({"ids": jagged([torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])])})
+    data = DataProto.concat([data, data.slice(0, 1)])  # 4 rows: [1,2,3], [4], [5,6], [1,2,3]
+    restored = pickle.loads(pickle.dumps(data, protocol=5))
+    assert [r.tolist() for r in restored.batch["ids"].unbind()] == [[1, 2, 3], [4], [5, 6], [1, 2, 3]]
+    assert [[r.tolist() for r in c.batch["ids"].unbind()] for c in restored.chunk(2)] == [
+        [[1, 2, 3], [4]],
+        [[5, 6], [1, 2, 3]],
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- reporting

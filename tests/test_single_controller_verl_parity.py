@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from tensordict import NonTensorData, TensorDict
 
-from rlworkers.protocol import DataProto
+from rlworkers import tensordict_utils as tu
+from rlworkers.protocol import DataProto, ProtocolError
 from rlworkers.single_controller import DataProtoFuture, Dispatch, PlacementError, Worker, WorkerError, register
 from rlworkers.single_controller.base.decorator import (
     dispatch_nd_compute_data_proto,
@@ -122,6 +124,31 @@ class MeshWorker(Worker):
     def unregistered(self, data: DataProto) -> DataProto:
         return data
 
+    # verl 0.9's engine workers take and return TensorDicts: jagged token rows, metadata as NonTensorData
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="infer"))
+    def score_tokens(self, batch: TensorDict) -> TensorDict:
+        ids, positions = batch["input_ids"], batch["position_ids"]  # [B, j] and [B, j, 2], both jagged
+        scale = tu.get_non_tensor_data(batch, "scale", default=1)
+        out = TensorDict(
+            {
+                "score": torch.stack([row.sum() * scale for row in ids.unbind()]),
+                "positions_per_row": torch.tensor([row.shape[0] for row in positions.unbind()]),
+                "rank": torch.full((len(batch),), self.rank),
+                "input_ids": ids * 2,
+            },
+            batch_size=batch.batch_size,
+        )
+        return out
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="infer"), blocking=False)
+    def score_tokens_async(self, batch: TensorDict) -> TensorDict:
+        return self.score_tokens(batch)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def count_tokens(self, batch: TensorDict) -> TensorDict:
+        lengths = torch.tensor([row.shape[0] for row in batch["input_ids"].unbind()])
+        return TensorDict({"tokens": lengths, "rank": torch.full((len(batch),), self.rank)}, batch.batch_size)
+
 
 def proto(values) -> DataProto:
     return DataProto.from_single_dict({"a": torch.tensor(values)})
@@ -180,6 +207,40 @@ def test_nd_errors_name_the_mesh_and_the_fix(mesh_group):
         mesh_group.ambiguous(proto([1, 2]))
     with pytest.raises(WorkerError, match=r"mesh 'nowhere' is not registered .*_register_dispatch_collect_info"):
         mesh_group.unregistered(proto([1, 2]))
+
+
+def token_batch(rows: list[list[int]]) -> TensorDict:
+    ids = torch.nested.as_nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+    positions = torch.nested.as_nested_tensor(
+        [torch.arange(2 * len(r)).reshape(len(r), 2) for r in rows], layout=torch.jagged
+    )
+    batch = TensorDict({"input_ids": ids, "position_ids": positions}, batch_size=[len(rows)])
+    batch["scale"] = NonTensorData(10)
+    return batch
+
+
+def test_tensordicts_with_jagged_tensors_go_through_nd_dispatch(mesh_group):
+    rows = [[1], [1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    out = mesh_group.score_tokens(token_batch(rows))
+    assert isinstance(out, TensorDict) and out.batch_size == torch.Size([4])
+    assert out["score"].tolist() == [10, 60, 90, 300]  # row sums 1, 6, 9, 30 times the NonTensorData scale
+    assert out["positions_per_row"].tolist() == [1, 3, 2, 4]  # the 3-D jagged tensor kept each row's length
+    assert out["rank"].tolist() == [0, 0, 2, 2]  # the infer mesh's collectors: rank 0 (dp 0), rank 2 (dp 1)
+    assert [r.tolist() for r in out["input_ids"].unbind()] == [[2], [2, 4, 6], [8, 10], [12, 14, 16, 18]]
+
+
+def test_tensordict_futures_chain_and_dp_compute_proto_splits_tensordicts(mesh_group):
+    rows = [[1], [1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    future = mesh_group.score_tokens_async(token_batch(rows))
+    assert isinstance(future, DataProtoFuture) and future.get()["score"].tolist() == [10, 60, 90, 300]
+    # chained: each of the 4 DP_COMPUTE_PROTO ranks fetches its one row of the collectors' outputs
+    counted = mesh_group.count_tokens(mesh_group.score_tokens_async(token_batch(rows)))
+    assert counted["tokens"].tolist() == [1, 3, 2, 4] and counted["rank"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_tensordict_that_does_not_split_evenly_names_the_fix(mesh_group):
+    with pytest.raises(ProtocolError, match=r"TensorDict of 3 rows.* 2 equal parts: pad it first"):
+        mesh_group.score_tokens(token_batch([[1], [2], [3]]))
 
 
 def _times_rank_plus_one(worker, data: DataProto) -> DataProto:

@@ -3,9 +3,11 @@
 ``VERL_RECIPE`` is written the way a verl 0.9 recipe is: verl's imports, a Worker that joins the process group
 and builds a [dp, tp] device mesh in ``__init__``, an nd-dispatched method (``make_nd_compute_dataproto_dispatch_fn``)
 that all-reduces over tp, a DP_COMPUTE_PROTO role colocated with it (``create_colocated_worker_cls`` + ``spawn``,
-``ray.remote`` classes), and a driver that turns on ``DataProtoConfig.auto_padding`` for a batch that does not
-divide evenly. The test rewrites the imports with ``VERL_TO_RLFLOW``, checks that nothing else changed, and runs
-the result on RayWorkerGroup on CPU (gloo), against values computed by hand.
+``ray.remote`` classes), a driver that turns on ``DataProtoConfig.auto_padding`` for a batch that does not
+divide evenly, and an engine-worker method (verl 0.9's newer idiom) that takes a TensorDict of jagged token rows
+built with ``verl.utils.tensordict_utils`` through the same nd dispatch. The test rewrites the imports with
+``VERL_TO_RLFLOW``, checks that nothing else changed, and runs the result on RayWorkerGroup on CPU (gloo), against
+values computed by hand.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from verl.single_controller.ray import (
     RayWorkerGroup,
     create_colocated_worker_cls,
 )
+from verl.utils import tensordict_utils as tu
 
 
 class ActorWorker(Worker):
@@ -61,6 +64,16 @@ class ActorWorker(Worker):
         dp_rank = torch.full((len(data),), self.device_mesh["dp"].get_local_rank())
         return DataProto.from_dict(tensors={"old_log_prob": log_prob, "dp_rank": dp_rank})
 
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_score_of_tokens(self, data):
+        # the engine-worker idiom: a TensorDict of jagged token rows in, a TensorDict out
+        tp_rank = self.device_mesh["tp"].get_local_rank()
+        score = torch.stack([row.sum() for row in data["input_ids"].unbind()]).float() * (tp_rank + 1)
+        torch.distributed.all_reduce(score, group=self.device_mesh.get_group("tp"))
+        score = score / tu.get_non_tensor_data(data, "temperature", 1.0)
+        lengths = torch.tensor([row.shape[0] for row in data["input_ids"].unbind()])
+        return tu.get_tensordict({"score": score, "length": lengths})
+
 
 class RewardWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -85,10 +98,15 @@ def run(rows: int):
     batch = DataProto.from_dict(tensors={"x": torch.arange(1, rows + 1, dtype=torch.float32)}, auto_padding=True)
     batch = batch.union(actor_wg.compute_log_prob(batch))
     batch = batch.union(reward_wg.compute_score(batch))
-    return batch, wg_dict, resource_pool
+
+    ids = torch.nested.as_nested_tensor([torch.arange(1, n + 1) for n in (1, 3, 2, 4)], layout=torch.jagged)
+    tokens = tu.get_tensordict({"input_ids": ids}, non_tensor_dict={"temperature": 2.0})
+    scored = actor_wg.compute_score_of_tokens(tokens)
+    return batch, scored, wg_dict, resource_pool
 """
 
 VERL_TO_RLFLOW = {
+    "from verl.utils import tensordict_utils": "from rlworkers import tensordict_utils",
     "from verl.single_controller": "from rlworkers.single_controller",
     "from verl.protocol import": "from rlworkers.protocol import",
     "from verl import": "from rlworkers import",
@@ -112,7 +130,7 @@ def load_module(name: str, source: str) -> types.ModuleType:
 
 def test_only_the_imports_change():
     changed = [(a, b) for a, b in zip(VERL_RECIPE.splitlines(), port(VERL_RECIPE).splitlines()) if a != b]
-    assert len(changed) == 5 and all(a.startswith("from verl") and b.startswith("from rlworkers") for a, b in changed)
+    assert len(changed) == 6 and all(a.startswith("from verl") and b.startswith("from rlworkers") for a, b in changed)
     assert "verl" not in port(VERL_RECIPE)
 
 
@@ -121,7 +139,7 @@ def test_ported_verl_recipe_runs_on_ray(ray_cluster):
 
     recipe = load_module("verl_recipe_ported", port(VERL_RECIPE))
     try:
-        out, group, pool = recipe.run(rows=5)
+        out, scored, group, pool = recipe.run(rows=5)
         group.shutdown()
         pool.remove()
     finally:
@@ -136,3 +154,6 @@ def test_ported_verl_recipe_runs_on_ray(ray_cluster):
     # DP_COMPUTE_PROTO over 4 ranks: 5 rows -> 8 padded rows, 2 per rank; ranks 0, 1 get 2 real rows, rank 2 one
     assert torch.equal(out.batch["score"], 2 * x)
     assert out.batch["reward_rank"].tolist() == [0, 0, 1, 1, 2]
+    # the TensorDict of jagged rows [1], [1,2,3], [1,2], [1,2,3,4]: dp 0 gets the first two, dp 1 the last two;
+    # row sums 1, 6, 3, 10, times (1 + 2) over tp, over the temperature 2.0
+    assert scored["score"].tolist() == [1.5, 9.0, 4.5, 15.0] and scored["length"].tolist() == [1, 3, 2, 4]

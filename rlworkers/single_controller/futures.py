@@ -12,11 +12,25 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from tensordict import TensorDict
 
+from rlworkers import tensordict_utils as tu
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller.errors import get_with_rank
 
-__all__ = ["DataProtoFuture", "DataProtoFutureShard", "plan_shard"]
+__all__ = ["DataProtoFuture", "DataProtoFutureShard", "plan_shard", "concat_batches"]
+
+
+def concat_batches(parts: list) -> DataProto | TensorDict:
+    """The per-rank outputs of a splitting dispatch mode as one batch: DataProtos concatenated with
+    ``DataProto.concat``, TensorDicts with ``tensordict_utils.concat_tensordict`` (jagged tensors included)."""
+    for rank, part in enumerate(parts):
+        if not isinstance(part, (DataProto, TensorDict)) or type(part) is not type(parts[0]):
+            raise TypeError(
+                f"part {rank} is a {type(part).__name__}; a splitting dispatch mode expects every rank to return "
+                f"a DataProto or every rank a TensorDict (part 0 is a {type(parts[0]).__name__})"
+            )
+    return tu.concat_tensordict(parts) if isinstance(parts[0], TensorDict) else DataProto.concat(parts)
 
 
 class DataProtoFuture:
@@ -36,10 +50,10 @@ class DataProtoFuture:
         self.method = method
         self.ranks = list(range(len(futures))) if ranks is None else list(ranks)
 
-    def get(self) -> DataProto:
-        return DataProto.concat(get_with_rank(self.futures, self.ranks, self.method))
+    def get(self) -> DataProto | TensorDict:
+        return concat_batches(get_with_rank(self.futures, self.ranks, self.method))
 
-    def materialize(self) -> tuple[DataProto, None]:
+    def materialize(self) -> tuple[DataProto | TensorDict, None]:
         return self.get(), None
 
     def shard(self, rank: int, world_size: int, auto_padding: bool) -> "DataProtoFutureShard":
@@ -76,7 +90,7 @@ class DataProtoFutureShard:
     def __init__(self, future: DataProtoFuture, rank: int, world_size: int, auto_padding: bool):
         self.future, self.rank, self.world_size, self.auto_padding = future, rank, world_size, auto_padding
 
-    def materialize(self) -> tuple[DataProto, int]:
+    def materialize(self) -> tuple[DataProto | TensorDict, int]:
         import ray
 
         lengths = [n if isinstance(n, int) else None for n in self.future.lengths]
@@ -86,8 +100,8 @@ class DataProtoFutureShard:
         plan, pad = plan_shard(lengths, self.rank, self.world_size, self.auto_padding)
         needed = sorted({chunk for chunk, _, _ in plan})
         fetched = dict(zip(needed, ray.get([self.future.futures[i] for i in needed])))
-        parts = [fetched[chunk].slice(lo, hi) for chunk, lo, hi in plan]
-        return DataProto.concat(parts), pad
+        parts = [fetched[chunk][lo:hi] for chunk, lo, hi in plan]
+        return concat_batches(parts), pad
 
-    def get(self) -> DataProto:
+    def get(self) -> DataProto | TensorDict:
         return self.materialize()[0]

@@ -15,6 +15,10 @@ nd dispatch (``make_nd_compute_dataproto_dispatch_fn(mesh_name)``) splits each D
 rank of a device mesh the workers registered with ``Worker._register_dispatch_collect_info``; every rank of a
 dp group (its tp/sp/pp replicas) receives the same chunk, stored once.
 
+The splitting modes take TensorDicts too (verl 0.9's engine workers pass them, jagged nested tensors included):
+split with ``tensordict_utils.chunk_tensordict`` (never padded: the length must divide) and merged with
+``concat_tensordict``.
+
 Auto-padding (DP_COMPUTE_PROTO, DP_COMPUTE_METRIC) is undone inside the worker that holds the padded rows, so
 blocking calls, non-blocking calls and futures chained into other groups all return exactly the input rows.
 """
@@ -25,8 +29,11 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from rlworkers.protocol import DataProto, pad_dataproto_to_divisor
-from rlworkers.single_controller.futures import DataProtoFuture
+from tensordict import TensorDict
+
+from rlworkers import tensordict_utils as tu
+from rlworkers.protocol import DataProto, ProtocolError, pad_dataproto_to_divisor
+from rlworkers.single_controller.futures import DataProtoFuture, concat_batches
 
 MAGIC_ATTR = "attrs_3141562937"  # verl's attribute name, kept so tools that look for it keep working
 PAD_KEY = "_rlflow_pad_rows"  # rows of padding at the end of this rank's chunk (driver -> worker)
@@ -125,13 +132,21 @@ def collect_dp_compute(worker_group, output):
 
 
 def _split_proto(value: Any, name: Any, n: int, auto_padding: bool):
-    """Per-rank chunks of a DataProto (padded to a multiple of n) or shards of a DataProtoFuture."""
+    """Per-rank chunks of a DataProto (padded to a multiple of n) or a TensorDict (never padded), or shards of a
+    DataProtoFuture."""
     if isinstance(value, DataProtoFuture):
         return [value.shard(rank, n, auto_padding) for rank in range(n)], None
+    if isinstance(value, TensorDict):  # verl 0.9's engine workers: they pad themselves (tu.pad_to_divisor)
+        if len(value) % n:
+            raise ProtocolError(
+                f"argument {name!r} is a TensorDict of {len(value)} rows, which does not split into {n} equal "
+                "parts: pad it first (rlworkers.tensordict_utils.pad_to_divisor) or pass a DataProto (auto-padded)"
+            )
+        return [tu.contiguous(chunk).consolidate() for chunk in tu.chunk_tensordict(value, n)], None
     if not isinstance(value, DataProto):
         raise TypeError(
-            f"argument {name!r} is a {type(value).__name__}; this dispatch mode splits DataProto or DataProtoFuture "
-            "arguments. Pass other values through meta_info, or use Dispatch.ONE_TO_ALL."
+            f"argument {name!r} is a {type(value).__name__}; this dispatch mode splits DataProto, TensorDict or "
+            "DataProtoFuture arguments. Pass other values through meta_info, or use Dispatch.ONE_TO_ALL."
         )
     pad = 0
     if auto_padding:
@@ -145,23 +160,22 @@ def _split_proto(value: Any, name: Any, n: int, auto_padding: bool):
 
 def _split_protos(args: tuple, kwargs: dict, parts: int, auto_padding: bool) -> tuple[tuple, dict]:
     """Every argument as a list of ``parts`` chunks; ``kwargs[PAD_KEY]`` lists each chunk's padding rows."""
-    pads_seen = []
-    split_args = []
-    for i, arg in enumerate(args):
-        chunks, pads = _split_proto(arg, i, parts, auto_padding)
-        split_args.append(chunks)
+    lengths, pads_seen = [], []
+    split_args, split_kwargs = [], {}
+    for name, value in [*enumerate(args), *kwargs.items()]:
+        chunks, pads = _split_proto(value, name, parts, auto_padding)
+        if isinstance(name, int):
+            split_args.append(chunks)
+        else:
+            split_kwargs[name] = chunks
+        if not isinstance(value, DataProtoFuture):
+            lengths.append(len(value))
         if pads is not None:
-            pads_seen.append((len(arg), pads))
-    split_kwargs = {}
-    for key, value in kwargs.items():
-        chunks, pads = _split_proto(value, key, parts, auto_padding)
-        split_kwargs[key] = chunks
-        if pads is not None:
-            pads_seen.append((len(value), pads))
-    if len({length for length, _ in pads_seen}) > 1:
-        raise ValueError(f"DataProto arguments have different lengths: {[length for length, _ in pads_seen]}")
-    if pads_seen and any(pads_seen[0][1]):
-        split_kwargs[PAD_KEY] = pads_seen[0][1]
+            pads_seen.append(pads)
+    if len(set(lengths)) > 1:
+        raise ValueError(f"the batch arguments have different lengths: {lengths}")
+    if pads_seen and any(pads_seen[0]):
+        split_kwargs[PAD_KEY] = pads_seen[0]
     return tuple(split_args), split_kwargs
 
 
@@ -177,10 +191,7 @@ def dispatch_dp_compute_data_proto_with_func(worker_group, func, *args, **kwargs
 
 
 def collect_dp_compute_data_proto(worker_group, output):
-    for rank, item in enumerate(output):
-        if not isinstance(item, DataProto):
-            raise TypeError(f"rank {rank} returned {type(item).__name__}; this dispatch mode expects a DataProto")
-    return DataProto.concat(output)
+    return concat_batches(output)
 
 
 # ------------------------------------------------------------------------------------------- nd dispatch
@@ -324,13 +335,13 @@ def _materialize(args: tuple, kwargs: dict) -> tuple[tuple, dict, int | None]:
 
 def _input_rows(args: tuple, kwargs: dict) -> int | None:
     for value in [*args, *kwargs.values()]:
-        if isinstance(value, DataProto):
+        if isinstance(value, (DataProto, TensorDict)):
             return len(value)
     return None
 
 
 def _unpad_output(output: Any, pad: int, input_rows: int | None, method: str):
-    if not pad or not isinstance(output, DataProto) or not input_rows:
+    if not pad or not isinstance(output, (DataProto, TensorDict)) or not input_rows:
         return output
     if len(output) % input_rows:
         raise ValueError(
@@ -338,7 +349,7 @@ def _unpad_output(output: Any, pad: int, input_rows: int | None, method: str):
             "auto-padding can only be removed when each input row gives the same number of output rows, in order"
         )
     per_row = len(output) // input_rows
-    return output.slice(0, len(output) - pad * per_row)
+    return output[: len(output) - pad * per_row]
 
 
 def register(
@@ -361,7 +372,7 @@ def register(
         def finish(output, pad, rows, with_len, drop_output):
             output = None if drop_output else _unpad_output(output, pad, rows, func.__qualname__)
             if with_len:
-                return output, (len(output) if isinstance(output, DataProto) else None)
+                return output, (len(output) if isinstance(output, (DataProto, TensorDict)) else None)
             return output
 
         if inspect.iscoroutinefunction(func):

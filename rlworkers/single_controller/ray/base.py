@@ -21,6 +21,7 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tensordict import TensorDict
 
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller.base.decorator import (
@@ -418,7 +419,7 @@ def _rows(args: tuple, kwargs: dict) -> int:
     """Rows of the first batch argument of a call (0 if it has none, or if it is a future whose lengths are
     still remote): what its time limit scales with."""
     for value in [*args, *kwargs.values()]:
-        if isinstance(value, DataProto):
+        if isinstance(value, (DataProto, TensorDict)):
             return len(value)
     return 0
 
@@ -615,7 +616,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def share(self, value: Any) -> Any:
         # Store large broadcast values once; every rank then reads the same object instead of its own copy.
-        if isinstance(value, (DataProto, torch.Tensor, np.ndarray)):
+        if isinstance(value, (DataProto, TensorDict, torch.Tensor, np.ndarray)):
             return ray.put(value)
         return value
 
