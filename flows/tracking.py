@@ -178,6 +178,7 @@ class ProgressArtifact:
 
         self.run_name, self.total, self.restarts = run_name, total, 0
         self._sending = ThreadPoolExecutor(1, thread_name_prefix="rlflow-progress")
+        self._open_client = None  # used by the sending thread only
         self.id = create_progress_artifact(
             progress=0.0, key=f"{artifact_key(run_name)}-progress", description=self._description()
         )
@@ -188,22 +189,34 @@ class ProgressArtifact:
 
     def update(self, step: int, restarts: int | None = None) -> None:
         """Send the progress from a thread of its own (in order): a training step does not wait for the server."""
-        from prefect.artifacts import update_progress_artifact
+        from prefect.client.schemas.actions import ArtifactUpdate
 
         self.restarts = self.restarts if restarts is None else restarts
-        progress, description = 100.0 * step / self.total, self._description()
+        update = ArtifactUpdate(data=100.0 * step / self.total, description=self._description())
 
         def send() -> None:
             try:
-                update_progress_artifact(self.id, progress=progress, description=description)
+                self._client().update_artifact(artifact_id=self.id, artifact=update)
             except Exception as error:  # the run goes on; the next update may get through
                 logger.warning("the progress artifact of %s was not updated: %s", self.run_name, error)
 
         self._sending.submit(send)
 
+    def _client(self):
+        """One Prefect client for every update, opened in the sending thread: prefect's ``update_progress_artifact``
+        builds a new client per call, and each loads the CA bundle (~20 ms of CPU here, every step)."""
+        if self._open_client is None:
+            from prefect.client.orchestration import get_client
+
+            self._open_client = get_client(sync_client=True)
+            self._open_client.__enter__()
+        return self._open_client
+
     def close(self) -> None:
         """Wait until every update was sent."""
         self._sending.shutdown(wait=True)
+        if self._open_client is not None:
+            self._open_client.__exit__(None, None, None)
 
 
 def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0) -> list[str]:
