@@ -115,6 +115,7 @@ def test_grpo_flow_end_to_end(env):
     assert all(t.state.is_completed() for t in task_runs)
     keys = {a.key for a in artifacts}
     assert {f"{name}-checkpoints", f"{name}-progress", f"{name}-mlflow", f"{name}-result"} <= keys
+    assert next(a for a in artifacts if a.key == f"{name}-progress").data == 100.0  # every step's update arrived
     assert flow_run.name == name  # the Prefect flow run is named after the training run
     checkpoint_rows = [row for a in artifacts if a.key == f"{name}-checkpoints" for row in _table_rows(a)]
     assert sorted(row["step"] for row in checkpoint_rows) == [2, 3]
