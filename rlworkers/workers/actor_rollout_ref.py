@@ -145,14 +145,7 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config.actor
         batch = micro.batch
         mask = batch["response_mask"].float()
-        logits = common.response_logits(
-            self.module,
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["position_ids"],
-            batch["responses"].shape[-1],
-            temperature,
-        )
+        logits = common.response_logits(self.module, batch, temperature)
         log_prob = common.logprobs_from_logits(logits, batch["responses"])
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss_fn(
             batch["old_log_probs"], log_prob, batch["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, config=cfg
@@ -195,14 +188,7 @@ class ActorRolloutRefWorker(Worker):
             batch = micro.batch
             mask = batch["response_mask"].float()
             with self._maybe_no_sync(last=i == len(micros) - 1):
-                logits = common.response_logits(
-                    self.module,
-                    batch["input_ids"],
-                    batch["attention_mask"],
-                    batch["position_ids"],
-                    batch["responses"].shape[-1],
-                    temperature,
-                )
+                logits = common.response_logits(self.module, batch, temperature)
                 seq_logp = (common.logprobs_from_logits(logits, batch["responses"]) * mask).sum(-1)
                 ref_logp = (batch["ref_log_prob"] * mask).sum(-1)
                 loss, stats = core_algos.compute_dpo_loss(

@@ -10,6 +10,7 @@ import fsspec
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tensordict import TensorDict
 
 from rlworkers.algorithms.utils import entropy_from_logits
 from rlworkers.protocol import DataProto
@@ -22,11 +23,16 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def response_logits(model, input_ids, attention_mask, position_ids, response_length: int, temperature: float = 1.0):
-    """Logits that predict each response token: ``[B, P+R] -> [B, R, V]``, divided by the sampling temperature."""
+def response_logits(model, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+    """Logits that predict each response token of ``batch`` (``input_ids``, ``attention_mask``, ``position_ids``
+    ``[B, P+R]`` and ``responses`` ``[B, R]``): ``[B, R, V]``, divided by the sampling temperature."""
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
     ).logits
+    response_length = batch["responses"].shape[-1]
     return logits[:, -response_length - 1 : -1, :] / temperature
 
 
@@ -36,14 +42,10 @@ def response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``data.batch["responses"]`` under ``model``, in micro-batches, without grad.
     ``[B, R]``."""
-    response_length = data.batch["responses"].shape[-1]
     log_probs, entropies = [], []
     for micro in data.split(micro_batch_size):
-        batch = micro.batch
-        logits = response_logits(
-            model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], response_length, temperature
-        )
-        log_probs.append(logprobs_from_logits(logits, batch["responses"]))
+        logits = response_logits(model, micro.batch, temperature)
+        log_probs.append(logprobs_from_logits(logits, micro.batch["responses"]))
         if with_entropy:
             entropies.append(entropy_from_logits(logits))
     return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
