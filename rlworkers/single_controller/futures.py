@@ -24,13 +24,14 @@ __all__ = ["DataProtoFuture", "DataProtoFutureShard", "plan_shard", "concat_batc
 def concat_batches(parts: list) -> DataProto | TensorDict:
     """The per-rank outputs of a splitting dispatch mode as one batch: DataProtos concatenated with
     ``DataProto.concat``, TensorDicts with ``tensordict_utils.concat_tensordict`` (jagged tensors included)."""
-    for rank, part in enumerate(parts):
-        if not isinstance(part, (DataProto, TensorDict)) or type(part) is not type(parts[0]):
+    kind = TensorDict if isinstance(parts[0], TensorDict) else DataProto
+    for i, part in enumerate(parts):
+        if not isinstance(part, kind):
             raise TypeError(
-                f"part {rank} is a {type(part).__name__}; a splitting dispatch mode expects every rank to return "
+                f"part {i} is a {type(part).__name__}; a splitting dispatch mode expects every rank to return "
                 f"a DataProto or every rank a TensorDict (part 0 is a {type(parts[0]).__name__})"
             )
-    return tu.concat_tensordict(parts) if isinstance(parts[0], TensorDict) else DataProto.concat(parts)
+    return tu.concat_tensordict(parts) if kind is TensorDict else DataProto.concat(parts)
 
 
 class DataProtoFuture:
