@@ -185,27 +185,27 @@ def _flow_run_process(flow_run_id) -> psutil.Process | None:
 
 
 def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
-    uid = uuid.uuid4().hex[:6]
-    steps = {"total_steps": 40, "save_freq": 10, "log_model": False}
-    clean = trigger(sft_params(worker, run_name=f"clean-{uid}", **steps))
-    killed = trigger(sft_params(worker, run_name=f"killed-{uid}", **steps))
-    assert wait_final(clean.id, worker).state.is_completed()
-
-    wait_for_checkpoint(worker, f"killed-{uid}", 10)
-    engine = _flow_run_process(killed.id)
-    assert engine is not None, "no flow-run process found"
-    attempt = [engine, *engine.children(recursive=True)]
-    ray_session = next((p for p in attempt if "raylet" in p.name()), None)
-    assert ray_session is not None, "the attempt's local Ray should run under its process"
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
 
+    uid = uuid.uuid4().hex[:6]
+    steps = {"total_steps": 40, "save_freq": 10, "log_model": False}
     # The server may drop the restart automation's evaluation of the crash (flows/deploy.py): here an operator has
     # disabled it, and `rlflow worker` must restart the run by itself (the automation's own path is the next test's).
     restart = Automation.read(name="rlflow: restart crashed runs")
     restart.disable()
     try:
+        clean = trigger(sft_params(worker, run_name=f"clean-{uid}", **steps))
+        killed = trigger(sft_params(worker, run_name=f"killed-{uid}", **steps))
+        assert wait_final(clean.id, worker).state.is_completed()
+        # Found before the checkpoint appears, so that the kill follows it at once: the 30 steps after it take
+        # only seconds, and a late kill would find the run finished.
+        engine = _wait_for_flow_run_process(killed.id)
+        wait_for_checkpoint(worker, f"killed-{uid}", 10)
+        attempt = [engine, *engine.children(recursive=True)]
+        runs_its_ray = any("raylet" in p.name() for p in attempt)
         engine.send_signal(signal.SIGKILL)
+        assert runs_its_ray, "the attempt's local Ray should run under its process"
         final = wait_final(killed.id, worker, timeout_s=480)
     finally:
         restart.enable()
@@ -230,6 +230,14 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     assert all(torch.equal(clean_weights[k], killed_weights[k]) for k in clean_weights)
     survivors = [p for p in attempt if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, [(p.pid, p.name(), json.dumps(p.cmdline()[:3])) for p in survivors]
+
+
+def _wait_for_flow_run_process(flow_run_id, timeout_s: float = 120) -> psutil.Process:
+    deadline = time.monotonic() + timeout_s
+    while (process := _flow_run_process(flow_run_id)) is None:
+        assert time.monotonic() < deadline, f"no process of flow run {flow_run_id} after {timeout_s} s"
+        time.sleep(0.5)
+    return process
 
 
 def test_run_lost_with_its_worker_is_marked_crashed_restarted_and_capped(worker):
