@@ -640,28 +640,50 @@ def deserialize_single_tensor(serialized: tuple[str, tuple[int, ...], Any]) -> t
     return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
 
 
+def jagged_from_rows(rows: Sequence[torch.Tensor], ragged_idx: int = 1) -> torch.Tensor:
+    """A jagged nested tensor ``[len(rows), ...]`` ragged along dim ``ragged_idx`` (1 is the dim after the batch).
+
+    Naming the ragged dim keeps a ``[B, 4, j]`` tensor ``[n, 4, j]`` even when the ``n`` rows share one length,
+    where ``torch.nested.as_nested_tensor`` would guess ``[n, j, L]``."""
+    if not rows:
+        raise ProtocolError("cannot build a jagged tensor with no rows")
+    packed = ragged_idx - 1  # the ragged dim inside one row
+    lengths = torch.tensor([row.shape[packed] for row in rows], dtype=torch.int64, device=rows[0].device)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    values = torch.cat(list(rows), dim=packed)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, jagged_dim=ragged_idx)
+
+
+def ragged_dim(tensor: torch.Tensor) -> int:
+    """The ragged dimension of a jagged nested tensor (1: the one after the batch)."""
+    return getattr(tensor, "_ragged_idx", 1)
+
+
 def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None, dict[str, tuple]]:
     """``(batch size, device, {key: serialized tensor})`` as in verl: a dense tensor as ``serialize_single_tensor``
-    gives it, a nested (jagged) tensor as ``(layout name, [each row serialized])``."""
+    gives it, a jagged tensor as ``(layout name, [each row serialized], ragged dim)`` (verl's has no ragged dim and
+    guesses it when it rebuilds, wrongly for ``[B, 4, j]`` rows of one length)."""
     items = {}
     for key, tensor in batch.items():
         if tensor.is_nested:
             rows = [serialize_single_tensor(row) for row in tensor.unbind()]
-            items[key] = (str(tensor.layout).removeprefix("torch."), rows)
+            items[key] = (str(tensor.layout).removeprefix("torch."), rows, ragged_dim(tensor))
         else:
             items[key] = serialize_single_tensor(tensor)
     return tuple(batch.batch_size), None if batch.device is None else str(batch.device), items
 
 
 def deserialize_tensordict(serialized: tuple[tuple[int, ...], str | None, dict[str, tuple]]) -> TensorDict:
-    """The inverse of ``serialize_tensordict`` (nested tensors come back with their layout, on the CPU)."""
+    """The inverse of ``serialize_tensordict`` (also reads verl's, whose jagged tensors are ragged along dim 1)."""
     batch_size, device, items = serialized
     tensors = {}
     for key, item in items.items():
-        if len(item) == 2:
-            layout, rows = item
-            rows = [deserialize_single_tensor(row) for row in rows]
-            tensors[key] = torch.nested.as_nested_tensor(rows, layout=getattr(torch, layout))
+        if isinstance(item[1], list):  # (layout, rows[, ragged dim]); a dense tensor is (dtype, shape, bytes)
+            layout, rows = item[0], [deserialize_single_tensor(row) for row in item[1]]
+            if layout == "jagged":
+                tensors[key] = jagged_from_rows(rows, item[2] if len(item) == 3 else 1)
+            else:
+                tensors[key] = torch.nested.as_nested_tensor(rows, layout=getattr(torch, layout))
         else:
             tensors[key] = deserialize_single_tensor(item)
     return TensorDict(tensors, batch_size=batch_size, device=device)

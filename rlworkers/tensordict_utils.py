@@ -31,7 +31,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader
 
-from rlworkers.protocol import ProtocolError, _deep_equal
+from rlworkers.protocol import ProtocolError, _deep_equal, jagged_from_rows, ragged_dim
 
 __all__ = [
     "assign_non_tensor_data",
@@ -74,24 +74,6 @@ def _is_nested(value: Any) -> bool:
 def _stack(values: Sequence) -> NonTensorStack:
     """One ``NonTensorData`` per row, so nested lists and dicts stay whole objects (never become tensors)."""
     return NonTensorStack.from_list([NonTensorData(value) for value in values])
-
-
-def _jagged(rows: Sequence[torch.Tensor], ragged_idx: int = 1) -> torch.Tensor:
-    """A jagged nested tensor ``[len(rows), ...]`` ragged along dim ``ragged_idx`` (1 is the dim after the batch).
-
-    Naming the ragged dim keeps a ``[B, 4, j]`` tensor ``[n, 4, j]`` even when the ``n`` rows share one length,
-    where ``torch.nested.as_nested_tensor`` would guess ``[n, j, L]``."""
-    if not rows:
-        raise ProtocolError("cannot build a jagged tensor with no rows")
-    packed = ragged_idx - 1  # the ragged dim inside one row
-    lengths = torch.tensor([row.shape[packed] for row in rows], dtype=torch.int64, device=rows[0].device)
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    values = torch.cat(list(rows), dim=packed)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, jagged_dim=ragged_idx)
-
-
-def _ragged_idx(tensor: torch.Tensor) -> int:
-    return getattr(tensor, "_ragged_idx", 1)
 
 
 def _native(value: Any) -> Any:
@@ -303,9 +285,9 @@ def concat_nested_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
         if tensor.dim() < 2:
             raise ProtocolError(f"nested tensor {i} must have 2 or more dimensions, got shape {tensor.shape}")
     rows = [row for tensor in tensors for row in tensor.unbind(0)]
-    ragged = {_ragged_idx(tensor) for tensor in tensors}
+    ragged = {ragged_dim(tensor) for tensor in tensors}
     if len(ragged) == 1:
-        return _jagged(rows, ragged.pop())
+        return jagged_from_rows(rows, ragged.pop())
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
@@ -379,7 +361,7 @@ def chunk_tensordict(td: TensorDict, chunks: int) -> list[TensorDict]:
         tensor = td.get(key)
         rows = tensor.unbind(0)
         for i, part in enumerate(parts):
-            part[key] = _jagged(rows[i * size : (i + 1) * size], _ragged_idx(tensor))
+            part[key] = jagged_from_rows(rows[i * size : (i + 1) * size], ragged_dim(tensor))
     return parts
 
 
@@ -405,7 +387,7 @@ def index_select_tensor_dict(batch: TensorDict | None, indices: torch.Tensor | l
     for key, val in batch.items():
         if _is_nested(val):
             unbound = val.unbind()  # once, not once per row
-            selected[key] = _jagged([unbound[i] for i in rows], _ragged_idx(val))
+            selected[key] = jagged_from_rows([unbound[i] for i in rows], ragged_dim(val))
         elif isinstance(val, NonTensorData):
             selected[key] = NonTensorData(val.data)
         else:

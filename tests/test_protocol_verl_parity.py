@@ -431,6 +431,22 @@ def test_serialize_tensordict_keeps_jagged_tensors_and_dtypes():
     assert restored["reward"].dtype == torch.bfloat16 and restored["reward"].tolist() == [0.5, -1.0]
 
 
+def test_a_jagged_tensor_keeps_its_ragged_dim_when_its_rows_share_one_length():
+    # Qwen-VL's position_ids [B, 4, j], ragged along dim 2: guessing from two rows of length 3 would give [2, j, 3]
+    rows = [torch.arange(12).reshape(4, 3), torch.arange(12, 24).reshape(4, 3)]
+    positions = torch.nested.nested_tensor_from_jagged(
+        torch.cat(rows, dim=1), offsets=torch.tensor([0, 3, 6]), jagged_dim=2
+    )
+    restored = deserialize_tensordict(serialize_tensordict(TensorDict({"p": positions}, batch_size=[2])))["p"]
+    assert restored._ragged_idx == 2 and [r.shape for r in restored.unbind()] == [(4, 3), (4, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(restored.unbind(), rows))
+    # verl's format (no ragged dim) is read as ragged along dim 1
+    verl_items = {
+        "ids": ("jagged", [serialize_single_tensor(torch.tensor([1, 2])), serialize_single_tensor(torch.tensor([3]))])
+    }
+    assert [r.tolist() for r in deserialize_tensordict(((2,), None, verl_items))["ids"].unbind()] == [[1, 2], [3]]
+
+
 def test_a_dataproto_with_a_jagged_column_pickles_chunks_and_concatenates():
     import pickle
 
