@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlworkers.data import PromptDataLoader, ensure_addition_dataset, load_prompt_dataset, make_addition_dataset
+from rlworkers.data.batching import _left_pad, prompt_batch, sft_batch
 from rlworkers.models import create_tiny_model, ensure_tiny_model, load_model_and_tokenizer
 from rlworkers.rewards import (
     compute_scores,
@@ -232,6 +233,29 @@ def test_loader_resume_yields_the_same_next_batch():
     resumed.load_state_dict(state)
     seen += [_ids(resumed.next_batch()) for _ in range(4)]
     assert seen == expected
+
+
+def test_batches_are_left_padded_with_hand_values(tiny):
+    _, tokenizer = tiny
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids, mask = _left_pad([[5, 6, 7], [8], []], pad)
+    assert ids.tolist() == [[5, 6, 7], [pad, pad, 8], [pad, pad, pad]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+
+    rows = [{"prompt": "12+3=", "response": 15, "answer": "15"}, {"prompt": "1+1=", "response": "2", "answer": "2"}]
+    one_by_one = [tokenizer(row["prompt"])["input_ids"] for row in rows]  # what the batched call must match
+    prompts = prompt_batch(rows, tokenizer)
+    width = max(map(len, one_by_one))
+    assert prompts.batch["input_ids"].tolist() == [[pad] * (width - len(p)) + p for p in one_by_one]
+    assert prompts.batch["position_ids"][1].tolist() == [0] * (width - len(one_by_one[1])) + list(
+        range(len(one_by_one[1]))
+    )
+
+    sft = sft_batch(rows, tokenizer)
+    response = tokenizer("15", add_special_tokens=False)["input_ids"] + [eos]
+    assert sft.batch["input_ids"][0].tolist()[-len(response) :] == response
+    assert sft.batch["loss_mask"][0].tolist() == [0] * len(one_by_one[0]) + [1] * len(response)
+    assert sft.batch["attention_mask"][1].sum() == len(one_by_one[1]) + 2  # "2" + eos
 
 
 def test_loader_state_from_another_dataset_is_rejected():

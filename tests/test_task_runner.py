@@ -36,6 +36,21 @@ def fan_out(width: int) -> list[tuple[int, float, float]]:
     return [f.result() for f in [wait.submit(first, i) for i in range(width)]]  # as reward, log-prob and ref
 
 
+@task(name="say", task_run_name="say-{word}", **STAGE)
+def say(word: str) -> tuple[str, list[str]]:
+    import logging
+
+    from prefect import get_run_logger
+
+    get_run_logger().info("the host says %s", word)
+    return os.readlink("/proc/self/fd/2"), [type(h).__name__ for h in logging.getLogger().handlers]
+
+
+@flow(name="warm-runner-logs", persist_result=False)
+def speak(word: str) -> tuple[str, list[str]]:
+    return say.submit(word).result()
+
+
 @task(name="divide", task_run_name="divide-step-{step}", **STAGE)
 def divide(step: int) -> float:
     return 1 / 0
@@ -83,6 +98,36 @@ def test_tasks_submitted_together_run_together_in_the_host(services, ray_cluster
     assert max(start for _, start, _ in runs) < min(end for _, _, end in runs), "they ran one after another"
 
 
+def test_the_host_logs_to_the_api_and_plainly_to_its_log_file(services, ray_cluster):
+    word = f"hello-{os.getpid()}-{time.time_ns()}"
+    state = speak.with_options(task_runner=WarmRayTaskRunner())(word, return_state=True)
+    stderr_file, handlers = state.result()
+    assert "PrefectConsoleHandler" not in handlers and "StreamHandler" in handlers  # rich console swapped out
+    with open(stderr_file) as log_file:
+        lines = [line for line in log_file if word in line]
+    assert any(f"| INFO    | Task run 'say-{word}' - the host says {word}" in line for line in lines), lines
+    run = asyncio.run(task_runs(state.state_details.flow_run_id))[0]
+    assert api_log_text(run.id, until=word).count(f"the host says {word}") == 1
+
+
+def api_log_text(task_run_id, until: str) -> str:
+    """The log messages of a task run in the API, once one contains ``until`` (they are sent in batches)."""
+
+    async def logs():
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+        async with get_client() as client:
+            return await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
+
+    for _ in range(20):
+        text = "\n".join(entry.message for entry in asyncio.run(logs()))
+        if until in text:
+            break
+        time.sleep(0.5)
+    return text
+
+
 def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_cluster):
     state = failing.with_options(task_runner=WarmRayTaskRunner())(return_state=True)
     assert state.is_failed()
@@ -92,16 +137,5 @@ def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_clus
     assert [r.name for r in runs] == ["divide-step-1"] and runs[0].state.is_failed()
     assert "ZeroDivisionError" in runs[0].state.message
 
-    async def logs():
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
-
-        async with get_client() as client:
-            return await client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[runs[0].id])))
-
-    for _ in range(20):  # logs are sent in batches
-        text = "\n".join(entry.message for entry in asyncio.run(logs()))
-        if "Traceback" in text:
-            break
-        time.sleep(0.5)
+    text = api_log_text(runs[0].id, until="Traceback")
     assert "Traceback" in text and "1 / 0" in text, text

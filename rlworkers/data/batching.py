@@ -21,14 +21,13 @@ def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
+    """``(ids, mask)``, both ``[B, longest]``: every sequence right-aligned after ``pad_id``s (mask 0 there)."""
+    lengths = torch.tensor([len(seq) for seq in sequences])
+    width = int(lengths.max()) if len(sequences) else 0
+    mask = torch.arange(width).expand(len(sequences), width) >= (width - lengths)[:, None]
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if seq:
-            ids[i, width - len(seq) :] = torch.tensor(seq)
-            mask[i, width - len(seq) :] = 1
-    return ids, mask
+    ids[mask] = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)  # row-major order
+    return ids, mask.long()
 
 
 def prompt_batch(
@@ -40,7 +39,7 @@ def prompt_batch(
     max_prompt_length: int | None = None,
 ) -> DataProto:
     """Tokenise prompts (left-padded) and keep the columns rewards need."""
-    encoded = [tokenizer(row[prompt_key])["input_ids"] for row in rows]
+    encoded = tokenizer([row[prompt_key] for row in rows])["input_ids"]  # one call per batch, not per row
     if max_prompt_length is not None:
         too_long = [i for i, e in enumerate(encoded) if len(e) > max_prompt_length]
         if too_long:
@@ -69,10 +68,11 @@ def sft_batch(
     rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt", response_key: str = "response"
 ) -> DataProto:
     """``prompt + response + eos``, left-padded, with ``loss_mask`` = 1 on the response and eos tokens."""
+    prompts = tokenizer([row[prompt_key] for row in rows])["input_ids"]  # one call per batch, not per row
+    responses = tokenizer([str(row[response_key]) for row in rows], add_special_tokens=False)["input_ids"]
     sequences, loss_masks = [], []
-    for row in rows:
-        prompt = tokenizer(row[prompt_key])["input_ids"]
-        response = tokenizer(str(row[response_key]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for prompt, response in zip(prompts, responses):
+        response = [*response, tokenizer.eos_token_id]
         sequences.append(prompt + response)
         loss_masks.append([0] * len(prompt) + [1] * len(response))
     input_ids, attention_mask = _left_pad(sequences, tokenizer.pad_token_id)
