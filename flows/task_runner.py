@@ -12,10 +12,11 @@ self-contained patch to ``prefect_ray/task_runners.py``):
    resources; pinned to the node of the flow process's own raylet, so losing another node never takes it away) and
    every submit is a method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh
    process per task.
-2. **Settings serialized once, validated once.** A stock submit dumps every Prefect setting into the task's
+2. **Settings and flow run serialized once.** A stock submit dumps every Prefect setting into the task's
    context (most of its cost: ~30 ms here) and every task validates them all again. Here the flow side serializes
    them once per ``SettingsContext`` (immutable) into the object store and sends a key; the host validates them
-   once per key and each task enters a copy.
+   once per key and each task enters a copy. The flow run's part of the context (the flow, the flow run, its
+   parameters: ~2 ms to dump and pickle per submit here) goes the same way, once per flow run state.
 3. **One Prefect client per host.** Stock tasks build two new HTTP clients per task (``hydrated_context`` and the
    task engine each call ``get_client``; each loads the CA bundle, ~24 ms here). The host opens one client per API
    URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
@@ -54,27 +55,35 @@ from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
-_last_settings: list = [None, None]  # [the SettingsContext serialized last, its serialized form]
+# what serialize_context_once serialized last, replaced as one tuple (submits may come from several threads):
+_last_settings: list = [(None, {})]  # [(SettingsContext, its serialized form)]
+_last_flow_run: list = [(None, None, {})]  # [(FlowRunContext, its flow run's state then, its serialized form)]
 
 
 def serialize_context_once(asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``prefect.context.serialize_context`` (prefect 3.7.7, same keys) with the settings serialized once per
     ``SettingsContext``: it is immutable, and dumping every setting (secrets handled) is most of what a stock
-    submit costs (~30 ms here)."""
+    submit costs (~30 ms here). The flow run context is serialized again only when it or its flow run's state
+    changed (a state change replaces the state object; nothing else in it changes while the flow's body runs)."""
     from prefect import context as prefect_context
 
     settings_context = prefect_context.SettingsContext.get()
-    if settings_context is not None and _last_settings[0] is not settings_context:
-        _last_settings[:] = [settings_context, settings_context.serialize()]
+    settings = _last_settings[0]
+    if settings_context is not None and settings[0] is not settings_context:
+        settings = _last_settings[0] = (settings_context, settings_context.serialize())
     flow_run_context = prefect_context.EngineContext.get()
+    flow_run = _last_flow_run[0]
+    state = flow_run_context.flow_run.state if flow_run_context and flow_run_context.flow_run else None
+    if flow_run_context is not None and (flow_run[0] is not flow_run_context or flow_run[1] is not state):
+        flow_run = _last_flow_run[0] = (flow_run_context, state, flow_run_context.serialize())
     task_run_context = prefect_context.TaskRunContext.get()
     tags_context = prefect_context.TagsContext.get()
     deployment_id = prefect_context._deployment_id.get()
     return {
-        "flow_run_context": flow_run_context.serialize() if flow_run_context else {},
+        "flow_run_context": flow_run[2] if flow_run_context is not None else {},
         "task_run_context": task_run_context.serialize() if task_run_context else {},
         "tags_context": tags_context.serialize() if tags_context else {},
-        "settings_context": _last_settings[1] if settings_context is not None else {},
+        "settings_context": settings[1] if settings_context is not None else {},
         "asset_context": prefect_context.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize(),
         "deployment_id": str(deployment_id) if deployment_id else None,
         "deployment_parameters": prefect_context._deployment_parameters.get(),
@@ -102,6 +111,7 @@ class TaskHost:
 
     def __init__(self):
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
+        self._flow_runs: dict[str, dict] = {}  # key of a serialized flow run context -> that dict
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
         self._lock = threading.Lock()
         _plain_console_logging()
@@ -131,10 +141,12 @@ class TaskHost:
         task: Task,
         context: dict[str, Any],
         settings: tuple[str, list],
+        flow_run: tuple[str, list],
         **kwargs: Any,
     ) -> Any:
         from prefect.context import SyncClientContext
 
+        context = {**context, "flow_run_context": self._flow_run_context(*flow_run)}
         cached = self._settings_context(*settings)
         with cached.model_construct(profile=cached.profile, settings=cached.settings):  # one context per task
             client = self._client(cached.settings.api.url or "")
@@ -152,6 +164,15 @@ class TaskHost:
                 serialized = ray.get(ref[0])
                 self._settings[key] = SettingsContext(**serialized) if serialized else SettingsContext.get()
             return self._settings[key]
+
+    def _flow_run_context(self, key: str, ref: list) -> dict:
+        """The serialized flow run context of ``key``, fetched from the object store the first time."""
+        import ray
+
+        with self._lock:
+            if key not in self._flow_runs:
+                self._flow_runs[key] = ray.get(ref[0])
+            return self._flow_runs[key]
 
     def _client(self, api_url: str):
         from prefect.client.orchestration import get_client
@@ -183,7 +204,7 @@ class WarmRayTaskRunner(RayTaskRunner):
         self.preload = tuple(preload)
         self._host = None
         self._host_lock = threading.Lock()
-        self._settings: tuple[dict, tuple[str, list]] | None = None
+        self._by_reference: dict[str, tuple[dict, tuple[str, list]]] = {}  # what -> (its form, its reference)
 
     def duplicate(self):
         return type(self)(self.address, self.init_kwargs, self.host_env, self.preload)
@@ -260,7 +281,8 @@ class WarmRayTaskRunner(RayTaskRunner):
                 "copy_to_child_ctx": True,
             }
         )
-        settings = self._settings_by_reference(context.pop("settings_context"))
+        settings = self._reference("settings", context.pop("settings_context"))
+        flow_run = self._reference("flow_run", context.pop("flow_run_context"))
         parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
         object_ref = (
             self.host()
@@ -274,17 +296,20 @@ class WarmRayTaskRunner(RayTaskRunner):
                 dependencies=dependencies,
                 context=context,
                 settings=settings,
+                flow_run=flow_run,
             )
         )
         return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
 
-    def _settings_by_reference(self, serialized: dict) -> tuple[str, list]:
-        """(key, [ObjectRef]) of the settings: put in the object store once per SettingsContext, not sent per task."""
+    def _reference(self, what: str, serialized: dict) -> tuple[str, list]:
+        """(key, [ObjectRef]) of a serialized context (``what``: settings or flow run): put in the object store once
+        per serialized form (``serialize_context_once`` keeps one while it holds), not sent with every task."""
         import ray
 
-        if self._settings is None or self._settings[0] is not serialized:
-            self._settings = (serialized, (uuid4().hex, [ray.put(serialized)]))
-        return self._settings[1]
+        last = self._by_reference.get(what)
+        if last is None or last[0] is not serialized:
+            last = self._by_reference[what] = (serialized, (uuid4().hex, [ray.put(serialized)]))
+        return last[1]
 
     def __exit__(self, *exc_info):
         import ray

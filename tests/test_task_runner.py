@@ -13,7 +13,7 @@ import pytest
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.task_runner import WarmRayTaskRunner
+from flows.task_runner import WarmRayTaskRunner, serialize_context_once
 
 STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 
@@ -126,6 +126,29 @@ def api_log_text(task_run_id, until: str) -> str:
             break
         time.sleep(0.5)
     return text
+
+
+@flow(name="warm-runner-context", persist_result=False)
+def serialized_contexts() -> list[dict]:
+    from uuid import uuid4
+
+    from prefect.context import FlowRunContext
+
+    def serialize() -> dict:
+        return serialize_context_once({"task": where, "task_run_id": uuid4(), "task_inputs": {}})
+
+    contexts = [serialize(), serialize()]
+    flow_run = FlowRunContext.get().flow_run
+    flow_run.state = flow_run.state.model_copy()  # as a state change does: a new state object
+    return [*contexts, serialize()]
+
+
+def test_the_flow_run_context_is_serialized_again_only_when_its_state_changes(services):
+    first, second, after_change = serialized_contexts()
+    assert second["flow_run_context"] is first["flow_run_context"]  # the same dict: put in Ray's store once
+    assert after_change["flow_run_context"] is not first["flow_run_context"]
+    assert after_change["flow_run_context"]["flow_run"]["id"] == first["flow_run_context"]["flow_run"]["id"]
+    assert second["settings_context"] is first["settings_context"] and first["settings_context"]
 
 
 def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_cluster):
