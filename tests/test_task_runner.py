@@ -138,8 +138,9 @@ def serialized_contexts() -> list[dict]:
         return serialize_context_once({"task": where, "task_run_id": uuid4(), "task_inputs": {}})
 
     contexts = [serialize(), serialize()]
-    flow_run = FlowRunContext.get().flow_run
-    flow_run.state = flow_run.state.model_copy()  # as a state change does: a new state object
+    from prefect.states import Running
+
+    FlowRunContext.get().flow_run.state = Running()  # as a state change does: a new state object
     return [*contexts, serialize()]
 
 
