@@ -97,9 +97,10 @@ def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> dict
     start = time.perf_counter()
     gen = submit(generate_sequences, actor, prompts, step)
     scores = submit(compute_reward, reward, gen, step)
-    old = submit(compute_log_prob, actor, gen, step)
+    bypass = algorithm["rollout_correction"]["bypass_mode"]  # the rollout's log-probs are the old policy's
+    old = [] if bypass else [submit(compute_log_prob, actor, gen, step)]
     ref_lp = submit(compute_ref_log_prob, ref, gen, step)
-    batch = submit(compute_advantage, gen, [scores, old, ref_lp], algorithm, None, step)
+    batch = submit(compute_advantage, gen, [scores, *old, ref_lp], algorithm, None, step)
     metrics = submit(update_actor, actor, batch, step).result()
     return {"step": time.perf_counter() - start, **{k: v for k, v in metrics.items() if k.startswith("timing_s/")}}
 

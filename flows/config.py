@@ -64,6 +64,17 @@ class KLControlConfig(_Frozen):
     horizon: int = Field(10000, gt=0)
 
 
+class RolloutCorrectionConfig(_Frozen):
+    """verl's ``algorithm.rollout_correction``; of its modes only bypass (PPO-clip against the rollout policy)."""
+
+    bypass_mode: bool = Field(
+        False,
+        description="use the rollout's log-probs as the old policy's (no compute_log_prob stage, one forward pass "
+        "less per step): exact when the rollout samples with the actor's own weights in float32 (rollout.name=hf); "
+        "with vLLM or bf16 the PPO ratio then also corrects the rollout/actor mismatch, as in verl",
+    )
+
+
 class AlgorithmConfig(_Frozen):
     adv_estimator: Literal[
         "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk"
@@ -75,6 +86,7 @@ class AlgorithmConfig(_Frozen):
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = KLControlConfig()
     dpo_beta: float = Field(0.1, gt=0, description="online DPO: strength of the reference anchor")
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
 
 class TrainerConfig(_Frozen):

@@ -6,7 +6,9 @@ Each step, for a batch of prompts:
      log-probs and the reference's                               compute_log_prob / compute_ref_log_prob
   3. advantages: each response's reward against its group's      compute_advantage   (pure function)
   4. PPO-clip update of the policy (+ KL to the reference)       update_actor        (actor group)
-then validate / checkpoint on schedule. Run it with ``rlflow train grpo --config demo``.
+then validate / checkpoint on schedule. With ``algorithm.rollout_correction.bypass_mode`` (verl's bypass mode) the
+rollout's own log-probs are the old policy's: step 2 has no ``compute_log_prob``.
+Run it with ``rlflow train grpo --config demo``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def grpo(config: RLConfig) -> dict:
     run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
     algorithm = config.algorithm.model_dump()
+    bypass = config.algorithm.rollout_correction.bypass_mode
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
     with run.training():
@@ -46,9 +49,9 @@ def grpo(config: RLConfig) -> dict:
             with run.step(step, CRITICAL_PATH) as metrics:
                 gen = generate_sequences.submit(actor, run.next_prompts(), step)                        # 1
                 scores = compute_reward.submit(reward, gen, step)                                       # 2
-                old = compute_log_prob.submit(actor, gen, step)
+                old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]
                 ref_lp = compute_ref_log_prob.submit(ref, gen, step)
-                batch = compute_advantage.submit(gen, [scores, old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
+                batch = compute_advantage.submit(gen, [scores, *old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
                 result = update_actor.submit(actor, batch, step).result()                               # 4
                 run.kl_ctrl_state = result.pop("kl_ctrl_state")
                 metrics.update(result)

@@ -6,6 +6,8 @@ Each step, for a batch of prompts:
      log-probs, the reference's, and the critic's values          compute_ref_log_prob / compute_values
   3. KL-shaped rewards (optional) and GAE advantages + returns   compute_advantage   (pure function)
   4. in parallel: PPO-clip policy update, clipped value update   update_actor / update_critic
+With ``algorithm.rollout_correction.bypass_mode`` the rollout's own log-probs are the old policy's (no
+``compute_log_prob``).
 Run it with ``rlflow train ppo --config demo algorithm.adv_estimator=gae``.
 """
 
@@ -46,13 +48,15 @@ def ppo(config: RLConfig) -> dict:
     run = start_run(config, "ppo", roles=("actor", "ref", "critic", "reward"))
     actor, ref, critic, reward = (run.groups[k] for k in ("actor", "ref", "critic", "reward"))
     algorithm = config.algorithm.model_dump()
+    bypass = config.algorithm.rollout_correction.bypass_mode
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
                 gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
-                parts = [compute_reward.submit(reward, gen, step), compute_log_prob.submit(actor, gen, step),  # 2
+                old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]                 # 2
+                parts = [compute_reward.submit(reward, gen, step), *old,
                          compute_ref_log_prob.submit(ref, gen, step), compute_values.submit(critic, gen, step)]
                 batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state, step)    # 3
                 critic_result = update_critic.submit(critic, batch, step)                           # 4

@@ -23,8 +23,8 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rlworkers.algorithms.batch_ops import apply_bypass_mode, compute_data_metrics
 from rlworkers.algorithms.batch_ops import compute_advantage as compute_advantage_fn
-from rlworkers.algorithms.batch_ops import compute_data_metrics
 from rlworkers.algorithms.kl import get_kl_controller
 from rlworkers.checkpoint import CheckpointSaveError, apply_retention, begin_checkpoint, commit_checkpoint, write_json
 from rlworkers.protocol import DataProto
@@ -115,9 +115,12 @@ def compute_values(critic, batch: DataProto, step: int) -> DataProto:
 def compute_advantage(
     batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None, step: int
 ) -> DataProto:
-    """Merge the stage outputs into the batch and add advantages (a pure function of its inputs)."""
+    """Merge the stage outputs into the batch and add advantages (a pure function of its inputs). In bypass mode
+    (``algorithm.rollout_correction.bypass_mode``) the rollout's log-probs are the old policy's."""
     for part in parts:
         batch.union(part)
+    if algorithm["rollout_correction"]["bypass_mode"]:
+        apply_bypass_mode(batch)
     kl_ctrl = None
     if algorithm["use_kl_in_reward"]:
         kl_ctrl = get_kl_controller(algorithm["kl_ctrl"])

@@ -565,3 +565,15 @@ def test_preference_pairs_by_hand():
     # two ranks: 3 pairs do not split evenly, the last one is dropped
     assert make_preference_pairs(data, world_size=2).batch["row"].tolist() == [1, 2, 4, 5]
     assert len(make_preference_pairs(data, world_size=4)) == 0
+
+
+def test_bypass_mode_takes_the_rollout_log_probs_as_the_old_policys():
+    from rlworkers.algorithms.batch_ops import apply_bypass_mode
+    from rlworkers.protocol import DataProto
+
+    rollout = torch.tensor([[-0.5, -1.25, 0.0], [-2.0, 0.0, 0.0]])
+    data = DataProto.from_dict({"rollout_log_probs": rollout, "response_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])})
+    assert apply_bypass_mode(data) is data
+    assert data.batch["old_log_probs"].tolist() == [[-0.5, -1.25, 0.0], [-2.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="bypass_mode=false"):
+        apply_bypass_mode(DataProto.from_dict({"response_mask": torch.ones(2, 3)}))

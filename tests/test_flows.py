@@ -105,12 +105,12 @@ def test_grpo_flow_end_to_end(env):
     for stage in (
         "generate_sequences",
         "compute_reward",
-        "compute_log_prob",
         "compute_ref_log_prob",
         "compute_advantage",
         "update_actor",
     ):
         assert per_stage.get(stage) == 3, (stage, per_stage)  # one task run per stage per step
+    assert "compute_log_prob" not in per_stage  # the demo preset's bypass mode: the rollout's log-probs are old
     assert per_stage.get("save_checkpoint") == 2 and per_stage.get("validate") == 3  # steps 2, 3 (+ step 0)
     assert all(t.state.is_completed() for t in task_runs)
     keys = {a.key for a in artifacts}
@@ -170,6 +170,31 @@ def test_a_colocated_reference_gives_the_separate_ones_kl(env):
     assert histories[True] == pytest.approx(histories[False], rel=1e-3, abs=1e-9), histories
 
 
+def test_bypass_mode_trains_as_recomputing_the_old_log_probs_does(env):
+    """algorithm.rollout_correction.bypass_mode (verl's): the rollout's log-probs are the old policy's, so no
+    compute_log_prob task runs; with the HF rollout in float32 they are the actor's own (same weights), so the
+    updates match the recomputing run's step by step. An entropy bonus moves the policy (the untrained model's
+    rewards are all zero), so the PPO ratio and KL the metrics show are not trivially 1 and 0."""
+    histories, stages = {}, {}
+    for bypass in (False, True):
+        name = f"bypass-{bypass}-{uuid.uuid4().hex[:6]}"
+        flag = f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}"
+        state, _ = run_flow("grpo", small_config(env, name, flag, "actor.entropy_coeff=0.1"))
+        assert state.is_completed(), state.message
+        _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
+        stages[bypass] = Counter(task_run.name.split("-step-")[0] for task_run in task_runs)
+        client, run = mlflow_run(name)
+        histories[bypass] = {
+            key: [m.value for m in client.get_metric_history(run.info.run_id, key)]
+            for key in ("actor/ppo_kl", "actor/kl_loss", "actor/entropy")
+        }
+    assert stages[False]["compute_log_prob"] == 3 and "compute_log_prob" not in stages[True], stages
+    assert stages[True]["update_actor"] == 3 and stages[True]["compute_ref_log_prob"] == 3
+    assert any(value != 0 for value in histories[True]["actor/ppo_kl"]), histories
+    for key, values in histories[False].items():
+        assert len(values) == 3 and histories[True][key] == pytest.approx(values, rel=1e-3, abs=1e-6), key
+
+
 def test_a_rule_reward_scores_in_the_stage_as_a_reward_worker_does(env, tmp_path):
     """reward.num_workers=0 (the default for a rule): the compute_reward stage scores the generated batch itself,
     and no reward process ever starts; the scores are the ones a reward worker (reward.num_workers=1) gives, step
@@ -225,7 +250,7 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
         (checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL),
         (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
         (
-            lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_log_prob"),
+            lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_ref_log_prob"),
             "ray::RewardWorker",
             signal.SIGKILL,
         ),  # once the run is training again

@@ -57,6 +57,18 @@ def compute_advantage(
     return data, metrics
 
 
+def apply_bypass_mode(data: DataProto) -> DataProto:
+    """verl's bypass mode: the rollout's log-probs stand for the old policy's (``old_log_probs = rollout_log_probs``),
+    so PPO's ratio is taken against the policy that sampled (in place; returns ``data``)."""
+    if "rollout_log_probs" not in data.batch.keys():
+        raise ValueError(
+            "algorithm.rollout_correction.bypass_mode=true needs the rollout's log-probs (rollout_log_probs) in the "
+            "batch; set bypass_mode=false to recompute them with the actor"
+        )
+    data.batch["old_log_probs"] = data.batch["rollout_log_probs"]
+    return data
+
+
 def compute_data_metrics(data: DataProto) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of one step's batch (verl's metric names)."""
     batch = data.batch
