@@ -124,6 +124,13 @@ def _prefect_spec(config: ServiceConfig) -> _Spec:
     }
     # Background services (scheduler, late runs, cancellation clean-up, concurrency lease reaping) stay on: the
     # deployments' schedules and concurrency limits need them. With one worker they run inside the server process.
+    # The task run recorder writes task runs from their state events; by default it commits one event at a time, a
+    # SQLite transaction for each of a task's three states (Pending, Running, Completed). Batched, the server used
+    # half the CPU during training (0.25 -> 0.12 cores, demo SFT on 2 cores); task runs reach the API and UI up to a
+    # second later. A value set in the environment wins.
+    for setting, value in (("BATCH_SIZE", "50"), ("FLUSH_INTERVAL", "1")):
+        name = f"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_{setting}"
+        env[name] = os.environ.get(name, value)
     command = [
         sys.executable,
         "-m",

@@ -171,7 +171,12 @@ def publish_mlflow_link(run_name: str, url: str) -> None:
 
 
 class ProgressArtifact:
-    """A Prefect progress artifact for the run, updated every step; its description counts the restarts."""
+    """A Prefect progress artifact for the run; its description counts the restarts.
+
+    Sent at most once per ``MIN_INTERVAL_S`` while steps go by (a step of the demo takes ~0.15 s, and each update is
+    a request the server handles), and always for the last step, a restart, and on ``close``."""
+
+    MIN_INTERVAL_S = 1.0
 
     def __init__(self, run_name: str, total: int):
         from prefect.artifacts import create_progress_artifact
@@ -179,6 +184,8 @@ class ProgressArtifact:
         self.run_name, self.total, self.restarts = run_name, total, 0
         self._sending = ThreadPoolExecutor(1, thread_name_prefix="rlflow-progress")
         self._open_client = None  # used by the sending thread only
+        self._sent_at = -math.inf
+        self._unsent: int | None = None  # the newest step not sent yet
         self.id = create_progress_artifact(
             progress=0.0, key=f"{artifact_key(run_name)}-progress", description=self._description()
         )
@@ -188,11 +195,19 @@ class ProgressArtifact:
         return f"training progress of {self.run_name}{restarts}"
 
     def update(self, step: int, restarts: int | None = None) -> None:
-        """Send the progress from a thread of its own (in order): a training step does not wait for the server."""
+        """Record ``step`` (and the restart count); send it now if it is due (see the class docstring)."""
+        restarted = restarts is not None and restarts != self.restarts
+        self.restarts = self.restarts if restarts is None else restarts
+        self._unsent = step
+        if restarted or step >= self.total or time.monotonic() - self._sent_at >= self.MIN_INTERVAL_S:
+            self._send()
+
+    def _send(self) -> None:
+        """Send the newest step from a thread of its own (in order): a training step does not wait for the server."""
         from prefect.client.schemas.actions import ArtifactUpdate
 
-        self.restarts = self.restarts if restarts is None else restarts
-        update = ArtifactUpdate(data=100.0 * step / self.total, description=self._description())
+        update = ArtifactUpdate(data=100.0 * self._unsent / self.total, description=self._description())
+        self._sent_at, self._unsent = time.monotonic(), None
 
         def send() -> None:
             try:
@@ -213,7 +228,9 @@ class ProgressArtifact:
         return self._open_client
 
     def close(self) -> None:
-        """Wait until every update was sent."""
+        """Send the newest step if it was not, and wait until every update was sent."""
+        if self._unsent is not None:
+            self._send()
         self._sending.shutdown(wait=True)
         if self._open_client is not None:
             self._open_client.__exit__(None, None, None)

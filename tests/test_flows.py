@@ -21,6 +21,8 @@ import pytest
 import torch
 from faults import Injector, ProcessWatch, after, busy_worker, checkpoint_exists
 from mlflow.tracking import MlflowClient
+from prefect import flow
+from prefect_api import settled_task_runs
 from safetensors.torch import load_file
 
 from flows.config import ConfigError, load_config, runs_root
@@ -84,9 +86,9 @@ async def prefect_view(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    task_runs = await asyncio.to_thread(settled_task_runs, flow_run_id)
     async with get_client() as client:
         flow_run = await client.read_flow_run(flow_run_id)
-        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         artifacts = await client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return flow_run, task_runs, artifacts
 
@@ -466,3 +468,32 @@ def test_runs_command_lists_runs_with_links(services):
     line = next(line for line in result.stdout.splitlines() if name in line)
     assert "grpo" in line and " 3 " in line and "http://127.0.0.1:1/runs/flow-run/abc" in line
     assert f"runs/{run.info.run_id}" in line
+
+
+@flow(name="progress-updates", persist_result=False)
+def progress_updates(name: str, total: int, updates: list[tuple[int, int | None]]) -> int:
+    """Send ``updates`` (step, restarts) to a new progress artifact at full speed; how many requests went out."""
+    from flows.tracking import ProgressArtifact
+
+    progress = ProgressArtifact(name, total)
+    count, submit = [0], progress._sending.submit
+    progress._sending.submit = lambda fn: (count.__setitem__(0, count[0] + 1), submit(fn))[1]
+    for step, restarts in updates:
+        progress.update(step, restarts=restarts)
+    progress.close()
+    return count[0]
+
+
+def test_the_progress_artifact_is_sent_at_most_once_a_second_but_always_its_last_step(services):
+    from prefect.artifacts import Artifact
+
+    from flows.tracking import artifact_key
+
+    name = f"progress-{uuid.uuid4().hex[:6]}"
+    assert progress_updates(name, 100, [(step, None) for step in range(1, 51)]) <= 3  # first, maybe another, close
+    assert Artifact.get(f"{artifact_key(name)}-progress").data == 50.0  # close sent the newest step
+
+    name = f"progress-{uuid.uuid4().hex[:6]}"
+    assert progress_updates(name, 10, [(1, None), (2, None), (2, 1), (10, None)]) == 3  # first, restart, last
+    artifact = Artifact.get(f"{artifact_key(name)}-progress")
+    assert artifact.data == 100.0 and "1 restart(s)" in artifact.description

@@ -20,6 +20,7 @@ from flows.services import (
     PREFECT_API_URL,
     ServiceConfig,
     ServiceError,
+    _prefect_spec,
     service_status,
     start_services,
     stop_services,
@@ -121,6 +122,15 @@ def test_start_writes_state_and_both_health_endpoints_answer(services):
     # Both SQLite backends live in the state folder.
     assert (config.state_dir / "prefect" / "prefect.db").is_file()
     assert (config.state_dir / "mlflow" / "mlflow.db").is_file()
+
+
+def test_the_prefect_server_records_task_runs_in_batches_unless_told_otherwise(services, monkeypatch):
+    config, urls = services
+    environ = Path(f"/proc/{urls['prefect_pid']}/environ").read_bytes().decode().split("\0")
+    assert "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE=50" in environ
+    assert "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL=1" in environ
+    monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "1")
+    assert _prefect_spec(config).env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"] == "1"
 
 
 def test_start_is_idempotent(services):

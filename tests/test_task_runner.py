@@ -12,6 +12,7 @@ import psutil
 import pytest
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect_api import settled_task_runs
 
 from flows.task_runner import WarmRayTaskRunner, serialize_context_once
 
@@ -69,20 +70,12 @@ def failing() -> float:
     return divide.submit(1).result()
 
 
-async def task_runs(flow_run_id):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async with get_client() as client:
-        return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-
-
 def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_cluster):
     state = chained.with_options(task_runner=WarmRayTaskRunner())(steps=4, return_state=True)
     pids = state.result()
     assert len(set(pids)) == 1, pids  # one process for every task: the runner's actor, reused
     assert pids[0] != os.getpid()  # ... which is not the flow's
-    runs = asyncio.run(task_runs(state.state_details.flow_run_id))
+    runs = settled_task_runs(state.state_details.flow_run_id)
     assert sorted(r.name for r in runs) == [f"where-step-{i}" for i in range(4)]
     assert all(r.state.is_completed() for r in runs)
     gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30) if psutil.pid_exists(pids[0]) else ([1], [])
@@ -106,7 +99,7 @@ def test_the_host_logs_to_the_api_and_plainly_to_its_log_file(services, ray_clus
     with open(stderr_file) as log_file:
         lines = [line for line in log_file if word in line]
     assert any(f"| INFO    | Task run 'say-{word}' - the host says {word}" in line for line in lines), lines
-    run = asyncio.run(task_runs(state.state_details.flow_run_id))[0]
+    run = settled_task_runs(state.state_details.flow_run_id)[0]
     assert api_log_text(run.id, until=word).count(f"the host says {word}") == 1
 
 
@@ -157,7 +150,7 @@ def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_clus
     assert state.is_failed()
     with pytest.raises(ZeroDivisionError):
         state.result()
-    runs = asyncio.run(task_runs(state.state_details.flow_run_id))
+    runs = settled_task_runs(state.state_details.flow_run_id)
     assert [r.name for r in runs] == ["divide-step-1"] and runs[0].state.is_failed()
     assert "ZeroDivisionError" in runs[0].state.message
 
