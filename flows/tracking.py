@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import Any
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.environment_variables import MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS
 from mlflow.tracking import MlflowClient
 
 from rlworkers.storage import local_dir
@@ -35,6 +37,11 @@ class Tracker:
     it, a run tagged with the same ``rlflow.run_name`` is continued if one exists, else a new one is created."""
 
     def __init__(self, experiment: str, run_name: str, *, run_id: str | None = None, tags: dict | None = None):
+        # MLflow's async logging sends every queued log_batch as a request of its own: one per training step, ~7 a
+        # second in the demo's SFT. Buffered for a second, the steps queued meanwhile go as one request: the MLflow
+        # server's CPU during those steps fell from 0.06 to 0.01 cores and the steps were ~7% shorter (2 cores).
+        # A value set in the environment wins.
+        os.environ.setdefault(MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS.name, "1")
         self.client = MlflowClient()
         self._sending: list = []  # MLflow RunOperations of metrics logged without waiting
         existing = self.client.get_experiment_by_name(experiment)

@@ -497,3 +497,26 @@ def test_the_progress_artifact_is_sent_at_most_once_a_second_but_always_its_last
     assert progress_updates(name, 10, [(1, None), (2, None), (2, 1), (10, None)]) == 3  # first, restart, last
     artifact = Artifact.get(f"{artifact_key(name)}-progress")
     assert artifact.data == 100.0 and "1 restart(s)" in artifact.description
+
+
+def test_metrics_logged_without_waiting_go_in_few_requests_and_all_arrive(services, monkeypatch):
+    from mlflow.utils import rest_utils
+
+    from flows.tracking import Tracker
+
+    log_batches = []
+    http_request = rest_utils.http_request
+
+    def counted(**kwargs):
+        if kwargs["endpoint"].endswith("/runs/log-batch"):
+            log_batches.append(kwargs["endpoint"])
+        return http_request(**kwargs)
+
+    monkeypatch.setattr(rest_utils, "http_request", counted)
+    tracker = Tracker("rlflow", f"buffered-{uuid.uuid4().hex[:6]}")
+    for step in range(1, 21):  # as fast as the demo's SFT steps, faster
+        tracker.log_metrics({"sft/loss": 1.0 / step, "timing_s/step": 0.1}, step, wait=False)
+    tracker.finish()
+    assert 1 <= len(log_batches) <= 3, log_batches  # not one request per step
+    history = MlflowClient().get_metric_history(tracker.run_id, "sft/loss")
+    assert sorted(m.step for m in history) == list(range(1, 21))
