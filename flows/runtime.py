@@ -292,6 +292,7 @@ class Run:
             "config": self.config.model_dump(mode="json"),
         }
         roles = {name: group for name, group in self.groups.items() if name in ("actor", "critic", "reward")}
+        self.tracker.flush()  # the steps up to this one are in MLflow before a resume can start after them
         path, manifest = save_checkpoint.submit(
             self.checkpoint_root, step, roles, state, self.config.trainer.keep_last_checkpoints, self.last_checkpoint
         ).result()

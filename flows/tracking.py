@@ -124,15 +124,19 @@ class Tracker:
             )
         return info
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Wait for the metrics still being sent (a failure to send them is logged, not raised: the run's outcome
-        stands), then end the MLflow run with ``status``."""
+    def flush(self) -> None:
+        """Wait for the metrics still being sent (up to a second of buffering; a failure to send them is logged, not
+        raised: the run goes on)."""
         for sent in self._sending:
             try:
                 sent.wait()
             except Exception as error:
                 logger.warning("MLflow run %s: some metrics were not logged: %s", self.run_id, error)
         self._sending.clear()
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Send what is left (``flush``), then end the MLflow run with ``status``."""
+        self.flush()
         self.client.set_terminated(self.run_id, status=status)
 
 

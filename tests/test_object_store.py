@@ -231,11 +231,14 @@ def test_a_runs_dir_that_cannot_be_written_fails_before_anything_starts(flows_en
 
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o755)  # owned by this user (root here): another user cannot write it
+    # As user nobody. The check runs once as root first, so that what it imports lazily is loaded before the switch:
+    # nobody may not be able to read this checkout (a clone in a 0700 folder).
     check = (
-        "import os; from flows.config import load_config; from flows.runtime import check_runs_dir_writable; "
+        "import os, tempfile; from flows.config import load_config; from flows.runtime import check_runs_dir_writable; "
+        "check_runs_dir_writable(load_config('demo', [f'trainer.runs_dir={tempfile.mkdtemp()}'])); "
         f"config = load_config('demo', ['trainer.runs_dir={read_only}']); "
         "os.setgid(65534); os.setuid(65534); check_runs_dir_writable(config)"
-    )  # as user nobody
+    )
     if os.geteuid() != 0:
         pytest.skip("needs root to run the check as another user")
     result = subprocess.run(
