@@ -519,5 +519,6 @@ def test_metrics_logged_without_waiting_go_in_few_requests_and_all_arrive(servic
     tracker.flush()  # as before a checkpoint: every step is in MLflow now, the run still open
     history = MlflowClient().get_metric_history(tracker.run_id, "sft/loss")
     assert sorted(m.step for m in history) == list(range(1, 21))
-    assert 1 <= len(log_batches) <= 3, log_batches  # not one request per step
+    assert log_batches, "the metrics were not sent with log-batch requests"
+    assert len(log_batches) <= 3, log_batches  # 20 steps, not one request per step
     tracker.finish()
