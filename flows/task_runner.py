@@ -23,6 +23,16 @@ self-contained patch to ``prefect_ray/task_runners.py``):
 4. **Plain console logging in the host.** What a task run logs goes to the Prefect API (the UI shows it) and to the
    host's stderr, a Ray log file: the host prints it there with a plain ``logging.StreamHandler`` (same format)
    instead of Prefect's rich console, which took ~2.5 ms of every task ("Finished in state Completed()").
+5. **A completed task sends back its return value, not its state.** Stock tasks return their final ``State``, so
+   every downstream task gets States as parameters and resolves each with ``State.result()``, a coroutine run from
+   a sync thread (~0.7 ms apiece here; 3 of them in the GRPO advantage stage), and so does the flow. Here a task
+   that ended Completed returns its value and any other final state (Failed, Crashed, ...) returns as before;
+   ``HostFuture`` turns a value back into a ``Completed`` state for ``wait``/``state``. The edges of the run graph
+   that stock tasks find in those States (``task_inputs``) are sent along as the task run's ``dependencies``.
+6. **Each upstream result deserialized once.** Stock tasks get the upstream ``ObjectRef``s twice: as positional
+   arguments, which Ray resolves before the task starts (and which are then unused), and inside the parameters,
+   which ``_run_prefect_task`` fetches and deserializes again with ``ray.get``. Here the values Ray resolved replace
+   the references in the parameters.
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
@@ -46,6 +56,7 @@ from uuid import uuid4
 
 from prefect.client.schemas.objects import RunInput
 from prefect.futures import PrefectFuture
+from prefect.states import State
 from prefect.task_runners import TaskRunner
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
@@ -136,21 +147,42 @@ class TaskHost:
 
     def run(
         self,
-        *upstream_ray_obj_refs: Any,
+        *upstream_values: Any,
+        upstream_refs: list,
         task: Task,
+        parameters: dict[str, Any],
         context: dict[str, Any],
         settings: tuple[str, list],
         flow_run: tuple[str, list],
         **kwargs: Any,
     ) -> Any:
-        from prefect.context import SyncClientContext
+        """Run ``task`` with Prefect's engine, as prefect-ray's ``_run_prefect_task`` does, but with the references in
+        ``parameters`` replaced by the values Ray resolved (``upstream_values``, in the order of ``upstream_refs``),
+        and returning the task's value when it completed, its final state otherwise (points 5 and 6)."""
+        import asyncio
 
+        import ray
+        from prefect._internal.result_records import ResultRecord
+        from prefect.context import SyncClientContext
+        from prefect.task_engine import run_task_async, run_task_sync
+        from prefect.utilities.collections import visit_collection
+
+        resolved = dict(zip(upstream_refs, upstream_values))
+        parameters = visit_collection(
+            parameters,
+            visit_fn=lambda expr: resolved.get(expr, expr) if isinstance(expr, ray.ObjectRef) else expr,
+            return_data=True,
+        )
         context = {**context, "flow_run_context": self._flow_run_context(*flow_run)}
+        run = {"task": task, "parameters": parameters, "context": context, "return_type": "state", **kwargs}
         cached = self._settings_context(*settings)
         with cached.model_construct(profile=cached.profile, settings=cached.settings):  # one context per task
             client = self._client(cached.settings.api.url or "")
             with SyncClientContext.model_construct(client=client):
-                return RayTaskRunner._run_prefect_task(*upstream_ray_obj_refs, task=task, context=context, **kwargs)
+                state = asyncio.run(run_task_async(**run)) if task.isasync else run_task_sync(**run)
+        if state.is_completed() and isinstance(state.data, ResultRecord):
+            return state.data.result
+        return state
 
     def _settings_context(self, key: str, ref: list):
         """The validated SettingsContext of ``key``, built from ``ref[0]`` (its serialized form, in the object store)
@@ -182,6 +214,36 @@ class TaskHost:
                 client.__enter__()  # kept open for the host's life; SyncClientContext re-enters it per task
                 self._clients[api_url] = client
             return self._clients[api_url]
+
+
+class HostFuture(PrefectRayFuture):
+    """The future of a task run in the ``TaskHost``: its object is the task's return value when the task completed,
+    else the task's final state (point 5 of the module docstring)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        import ray
+        from prefect.states import Completed, exception_to_crashed_state
+        from prefect.utilities.asyncutils import run_coro_as_sync
+
+        try:
+            out = ray.get(self.wrapped_future, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            return
+        except Exception as error:
+            out = run_coro_as_sync(exception_to_crashed_state(error))
+        self._final_state = out if isinstance(out, State) else Completed(data=out)
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        import ray
+
+        try:
+            out = ray.get(self.wrapped_future, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as error:
+            raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} seconds") from error
+        if not isinstance(out, State):
+            return out
+        self._final_state = out
+        return super().result(timeout, raise_on_failure)
 
 
 class WarmRayTaskRunner(RayTaskRunner):
@@ -282,12 +344,16 @@ class WarmRayTaskRunner(RayTaskRunner):
         )
         settings = self._reference("settings", context.pop("settings_context"))
         flow_run = self._reference("flow_run", context.pop("flow_run_context"))
+        dependencies = {k: set(v) for k, v in (dependencies or {}).items()}
+        for k, inputs in task_inputs.items():  # the run graph's edges (point 5): the upstream futures of each parameter
+            dependencies.setdefault(k, set()).update(inputs)
         parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
         object_ref = (
             self.host()
             .run.options(name=task.name)
             .remote(
-                *upstream_ray_obj_refs,
+                *upstream_ray_obj_refs,  # Ray resolves these before the task starts: see TaskHost.run
+                upstream_refs=list(upstream_ray_obj_refs),  # inside a list, Ray leaves them references
                 task=task,
                 task_run_id=task_run_id,
                 parameters=parameters,
@@ -298,7 +364,7 @@ class WarmRayTaskRunner(RayTaskRunner):
                 flow_run=flow_run,
             )
         )
-        return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        return HostFuture(task_run_id=task_run_id, wrapped_future=object_ref)
 
     def _reference(self, what: str, serialized: dict) -> tuple[str, list]:
         """(key, [ObjectRef]) of a serialized context (``what``: settings or flow run): put in the object store once

@@ -70,14 +70,55 @@ def failing() -> float:
     return divide.submit(1).result()
 
 
+@flow(name="warm-runner-states", persist_result=False)
+def settle() -> list:
+    done, failed = where.submit([], 0), divide.submit(1)
+    done.wait(), failed.wait()
+    return [done.state.type.value, done.state.result(), done.result(), failed.state.type.value]
+
+
+class Unpickled:
+    """A value that appends the pid of every process that unpickles it to the file ``path``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return _unpickle, (self.path,)
+
+
+def _unpickle(path: str) -> Unpickled:
+    with open(path, "a") as record:
+        record.write(f"{os.getpid()}\n")
+    return Unpickled(path)
+
+
+@task(name="make", **STAGE)
+def make(path: str) -> Unpickled:
+    return Unpickled(path)
+
+
+@task(name="use", **STAGE)
+def use(value: Unpickled) -> str:
+    return value.path
+
+
+@flow(name="warm-runner-hand-over", persist_result=False)
+def hand_over(path: str) -> str:
+    return use.submit(make.submit(path)).result()  # as an RL stage gets the batch of the stage before it
+
+
 def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_cluster):
     state = chained.with_options(task_runner=WarmRayTaskRunner())(steps=4, return_state=True)
     pids = state.result()
     assert len(set(pids)) == 1, pids  # one process for every task: the runner's actor, reused
     assert pids[0] != os.getpid()  # ... which is not the flow's
     runs = settled_task_runs(state.state_details.flow_run_id)
-    assert sorted(r.name for r in runs) == [f"where-step-{i}" for i in range(4)]
+    runs = sorted(runs, key=lambda r: r.name)
+    assert [r.name for r in runs] == [f"where-step-{i}" for i in range(4)]
     assert all(r.state.is_completed() for r in runs)
+    for before, after in zip(runs, runs[1:]):  # the run graph's edges: each task's input is the previous task's result
+        assert [i.id for i in after.task_inputs["previous"]] == [before.id], after.task_inputs
     gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30) if psutil.pid_exists(pids[0]) else ([1], [])
     assert gone, "the task host outlived its flow run"
 
@@ -156,3 +197,19 @@ def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_clus
 
     text = api_log_text(runs[0].id, until="Traceback")
     assert "Traceback" in text and "1 / 0" in text, text
+
+
+def test_a_future_settles_to_its_task_runs_state_and_value(services, ray_cluster):
+    completed, value, result, failed = settle.with_options(task_runner=WarmRayTaskRunner())(return_state=True).result(
+        raise_on_failure=False
+    )
+    assert completed == "COMPLETED" and value == result and len(result) == 1 and isinstance(result[0], int)
+    assert failed == "FAILED"
+
+
+def test_a_task_gets_the_result_of_the_task_before_it_unpickled_once(services, ray_cluster, tmp_path):
+    record = tmp_path / "unpickled"
+    assert hand_over.with_options(task_runner=WarmRayTaskRunner())(str(record)) == str(record)
+    pids = record.read_text().split()
+    assert len(pids) == 1, f"unpickled {len(pids)} times"  # in the host, to run `use`; never in the flow
+    assert int(pids[0]) != os.getpid()
