@@ -40,7 +40,7 @@ from rlworkers.checkpoint import (
     resolve_resume,
     write_json,
 )
-from rlworkers.data.batching import decode_responses, prompt_batch, sft_batch
+from rlworkers.data.batching import TokenCache, decode_responses, prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
 from rlworkers.models.loading import load_tokenizer, resolve_model_path
@@ -533,7 +533,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         model_uri, model_dir = _start_model(config)
     else:
         model_uri, model_dir = record.model_uri, record.model_dir
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = TokenCache(load_tokenizer(model_dir))  # the length check below tokenizes every prompt once
     checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
     train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlworkers.data import PromptDataLoader, ensure_addition_dataset, load_prompt_dataset, make_addition_dataset
-from rlworkers.data.batching import _left_pad, prompt_batch, sft_batch
+from rlworkers.data.batching import TokenCache, _left_pad, prompt_batch, sft_batch
 from rlworkers.models import create_tiny_model, ensure_tiny_model, load_model_and_tokenizer
 from rlworkers.rewards import (
     compute_scores,
@@ -256,6 +256,39 @@ def test_batches_are_left_padded_with_hand_values(tiny):
     assert sft.batch["input_ids"][0].tolist()[-len(response) :] == response
     assert sft.batch["loss_mask"][0].tolist() == [0] * len(one_by_one[0]) + [1] * len(response)
     assert sft.batch["attention_mask"][1].sum() == len(one_by_one[1]) + 2  # "2" + eos
+
+
+def test_the_token_cache_gives_the_tokenizers_ids_and_tokenizes_each_text_once(tiny):
+    _, tokenizer = tiny
+    calls = []
+
+    def counting(texts, **kwargs):
+        calls.append(list(texts))
+        return tokenizer(texts, **kwargs)
+
+    rows = [
+        {"prompt": "12+3=", "response": "15"},
+        {"prompt": "1+1=", "response": "2"},
+        {"prompt": "12+3=", "response": "15"},
+    ]
+    cache = TokenCache(counting)
+    cache.pad_token_id, cache.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id  # counting has none
+    for _ in range(3):  # three epochs
+        assert (
+            sft_batch(rows, cache).batch["input_ids"].tolist() == sft_batch(rows, tokenizer).batch["input_ids"].tolist()
+        )
+        assert (
+            prompt_batch(rows, cache).batch["input_ids"].tolist()
+            == prompt_batch(rows, tokenizer).batch["input_ids"].tolist()
+        )
+    assert calls == [["12+3=", "1+1="], ["15", "2"]]  # prompts with special tokens, responses without: once each
+
+    small = TokenCache(counting, max_tokens=len(tokenizer("12+3=")["input_ids"]))  # room for the first prompt only
+    calls.clear()
+    for _ in range(2):
+        assert small(["12+3=", "1+1="])["input_ids"] == tokenizer(["12+3=", "1+1="])["input_ids"]
+    assert calls == [["12+3=", "1+1="], ["1+1="]] and small.cached_tokens <= small.max_tokens
+    assert TokenCache(tokenizer).decode([5]) == tokenizer.decode([5])  # the rest is the tokenizer's
 
 
 def test_loader_state_from_another_dataset_is_rejected():

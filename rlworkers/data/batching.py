@@ -8,6 +8,7 @@ and ``uid`` (one uid per prompt, so GRPO can group the samples of a prompt).
 from __future__ import annotations
 
 import uuid
+from array import array
 from typing import Sequence
 
 import torch
@@ -28,6 +29,42 @@ def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     ids[mask] = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)  # row-major order
     return ids, mask.long()
+
+
+class TokenCache:
+    """A tokenizer that tokenizes each distinct text once: the batch call (``tokenizer(texts, add_special_tokens=...)``)
+    gives the wrapped tokenizer's ids, remembered per text; every other attribute is the wrapped tokenizer's.
+
+    A run draws its batches from the same rows every epoch, and tokenizing a batch again took 1-2 ms of each demo SFT
+    step in the flow process (a step is ~0.13 s). At most ``max_tokens`` ids are kept (4 bytes each, ~40 MB by
+    default); texts beyond that are tokenized every time they come back."""
+
+    def __init__(self, tokenizer, max_tokens: int = 10_000_000):
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.cached_tokens = 0
+        self._ids: dict[tuple[bool, str], array] = {}
+
+    def __call__(self, texts: Sequence[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        missing = [text for text in dict.fromkeys(texts) if (add_special_tokens, text) not in self._ids]
+        fresh = {}
+        if missing:
+            encoded = self.tokenizer(missing, add_special_tokens=add_special_tokens)["input_ids"]
+            fresh = dict(zip(missing, encoded))
+            for text, ids in fresh.items():
+                if self.cached_tokens + len(ids) <= self.max_tokens:
+                    self._ids[add_special_tokens, text] = array("i", ids)
+                    self.cached_tokens += len(ids)
+        return {
+            "input_ids": [
+                fresh[text] if text in fresh else self._ids[add_special_tokens, text].tolist() for text in texts
+            ]
+        }
+
+    def __getattr__(self, name: str):  # pad_token_id, eos_token_id, decode, ...
+        if name == "tokenizer":  # not set yet (a copy being built): no endless lookup
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
 
 
 def prompt_batch(
