@@ -840,7 +840,10 @@ def ray_task_runner():
     Every Ray worker, on every node, gets the service URLs in its environment."""
     from flows.task_runner import WarmRayTaskRunner
 
-    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", "rlworkers.workers.reward"))
+    # the worker classes too: a stage task's WorkerGroup argument is rebuilt in the host from its worker class, and the
+    # first one (validation before step 1) would otherwise wait for torch and transformers to import there
+    workers = ("rlworkers.workers.actor_rollout_ref", "rlworkers.workers.critic", "rlworkers.workers.reward")
+    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", *workers))
 
 
 def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:
