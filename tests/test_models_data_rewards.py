@@ -289,6 +289,7 @@ def test_the_token_cache_gives_the_tokenizers_ids_and_tokenizes_each_text_once(t
         assert small(["12+3=", "1+1="])["input_ids"] == tokenizer(["12+3=", "1+1="])["input_ids"]
     assert calls == [["12+3=", "1+1="], ["1+1="]] and small.cached_tokens <= small.max_tokens
     assert TokenCache(tokenizer).decode([5]) == tokenizer.decode([5])  # the rest is the tokenizer's
+    assert TokenCache(tokenizer)("12+3=")["input_ids"] == tokenizer("12+3=")["input_ids"]  # one text, as the tokenizer
 
 
 def test_loader_state_from_another_dataset_is_rejected():

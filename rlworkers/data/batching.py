@@ -46,6 +46,8 @@ class TokenCache:
         self._ids: dict[tuple[bool, str], array] = {}
 
     def __call__(self, texts: Sequence[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        if isinstance(texts, str):  # one text: the tokenizer's own answer (ids, not a list of them)
+            return self.tokenizer(texts, add_special_tokens=add_special_tokens)
         missing = [text for text in dict.fromkeys(texts) if (add_special_tokens, text) not in self._ids]
         fresh = {}
         if missing:
