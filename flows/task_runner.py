@@ -1,9 +1,9 @@
 """``WarmRayTaskRunner``: prefect-ray's ``RayTaskRunner`` with its tasks run in one long-lived Ray actor.
 
 Every RL stage stays a Prefect task on a Ray task runner: its task run, states, name, logs and retries are Prefect's
-own (``run_task_sync`` runs it, as in prefect-ray), and futures passed between stages stay Ray ``ObjectRef``s that
-Ray resolves before the task starts. What changes relative to prefect-ray 0.6.0, and why (each point is a
-self-contained patch to ``prefect_ray/task_runners.py``):
+own (``run_task_sync`` runs it, as in prefect-ray), and a task's result is a Ray ``ObjectRef`` the flow's future
+wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self-contained patch to
+``prefect_ray/task_runners.py``):
 
 1. **One remote actor instead of one remote function per submit.** Stock ``submit`` wraps ``_run_prefect_task`` in a
    new ``ray.remote`` each time: Ray exports it to the GCS again, gives it a new scheduling class and leases a
@@ -33,6 +33,14 @@ self-contained patch to ``prefect_ray/task_runners.py``):
    arguments, which Ray resolves before the task starts (and which are then unused), and inside the parameters,
    which ``_run_prefect_task`` fetches and deserializes again with ``ray.get``. Here the values Ray resolved replace
    the references in the parameters.
+7. **A result goes from task to task inside the host.** A stock task that gets an upstream future waits for Ray to
+   resolve it: the upstream task's result goes back to the flow process (its owner), which then sends the waiting
+   task on with it: 7-10 ms between one stage's end and the next one's start here, 3 times per GRPO step. Here a
+   future of a task of the same host goes as a ``HandOff`` (its task run id and reference, not a Ray dependency):
+   the task starts in the host at once, waits there for the upstream task to finish and takes its result, pickled
+   once by the upstream task (each task unpickles its own copy, as from Ray's store; the same bytes go back to the
+   flow as the Ray result). The host keeps a result only while tasks wait for it; one that comes later reads it
+   from Ray's store.
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
@@ -50,6 +58,7 @@ The host's environment variables are ``host_env()`` (evaluated when it starts) p
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 from typing import Any, Callable, Iterable
 from uuid import uuid4
@@ -63,6 +72,7 @@ from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
+from ray import cloudpickle
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
 # what serialize_context_once serialized last, replaced as one tuple (submits may come from several threads):
@@ -116,6 +126,36 @@ def _plain_console_logging() -> None:
         root.addHandler(plain)
 
 
+class HandOff:
+    """In a task's parameters: the result of task run ``task_run_id``, which runs in the same host (``ref``: its Ray
+    result, for a task that comes after the host let go of it). See point 7 of the module docstring."""
+
+    __slots__ = ("task_run_id", "ref")
+
+    def __init__(self, task_run_id, ref):
+        self.task_run_id, self.ref = task_run_id, ref
+
+
+class Pickled:
+    """A task's result pickled once in the host (``payload``): the tasks waiting for it there unpickle it, and Ray
+    sends these bytes to the flow, where they unpickle to the result itself."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def __reduce__(self):
+        return pickle.loads, (self.payload,)
+
+
+class _Waiters:
+    """The tasks in a host waiting for one task run's result (``count``), and that result once it is there."""
+
+    def __init__(self):
+        self.count = 0
+        self.done = threading.Event()
+        self.payload: bytes | None = None  # None once done: the result is in Ray's store only (or the task raised)
+
+
 class TaskHost:
     """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
 
@@ -123,6 +163,7 @@ class TaskHost:
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
         self._flow_runs: dict[str, dict] = {}  # key of a serialized flow run context -> that dict
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
+        self._waiters: dict[Any, _Waiters] = {}  # task run id -> the tasks waiting for its result (point 7)
         self._lock = threading.Lock()
         _plain_console_logging()
 
@@ -150,6 +191,7 @@ class TaskHost:
         *upstream_values: Any,
         upstream_refs: list,
         task: Task,
+        task_run_id: Any,
         parameters: dict[str, Any],
         context: dict[str, Any],
         settings: tuple[str, list],
@@ -157,24 +199,48 @@ class TaskHost:
         **kwargs: Any,
     ) -> Any:
         """Run ``task`` with Prefect's engine, as prefect-ray's ``_run_prefect_task`` does, but with the references in
-        ``parameters`` replaced by the values Ray resolved (``upstream_values``, in the order of ``upstream_refs``),
-        and returning the task's value when it completed, its final state otherwise (points 5 and 6)."""
+        ``parameters`` replaced by the values Ray resolved (``upstream_values``, in the order of ``upstream_refs``) and
+        each ``HandOff`` by its task's result, and returning the task's value when it completed, its final state
+        otherwise (points 5 to 7)."""
+        import ray
+        from prefect.utilities.collections import visit_collection
+
+        handed = self._take_hand_offs(parameters)
+        resolved = dict(zip(upstream_refs, upstream_values))
+
+        def resolve(expr):
+            if isinstance(expr, HandOff):
+                return handed[expr.task_run_id]
+            return resolved.get(expr, expr) if isinstance(expr, ray.ObjectRef) else expr
+
+        parameters = visit_collection(parameters, visit_fn=resolve, return_data=True)
+        try:
+            out = self._run_task(task, task_run_id, parameters, context, settings, flow_run, **kwargs)
+        except BaseException:
+            self._hand_over(task_run_id, None)  # the waiting tasks read the error from Ray's store
+            raise
+        with self._lock:
+            waited_for = task_run_id in self._waiters
+        if not waited_for:
+            return out
+        try:
+            payload = cloudpickle.dumps(out)
+        except Exception:  # Ray's own serializer will say why
+            self._hand_over(task_run_id, None)
+            return out
+        self._hand_over(task_run_id, payload)
+        return Pickled(payload)
+
+    def _run_task(self, task, task_run_id, parameters, context, settings, flow_run, **kwargs) -> Any:
         import asyncio
 
-        import ray
         from prefect._internal.result_records import ResultRecord
         from prefect.context import SyncClientContext
         from prefect.task_engine import run_task_async, run_task_sync
-        from prefect.utilities.collections import visit_collection
 
-        resolved = dict(zip(upstream_refs, upstream_values))
-        parameters = visit_collection(
-            parameters,
-            visit_fn=lambda expr: resolved.get(expr, expr) if isinstance(expr, ray.ObjectRef) else expr,
-            return_data=True,
-        )
         context = {**context, "flow_run_context": self._flow_run_context(*flow_run)}
-        run = {"task": task, "parameters": parameters, "context": context, "return_type": "state", **kwargs}
+        run = {"task": task, "task_run_id": task_run_id, "parameters": parameters, "context": context}
+        run.update(return_type="state", **kwargs)
         cached = self._settings_context(*settings)
         with cached.model_construct(profile=cached.profile, settings=cached.settings):  # one context per task
             client = self._client(cached.settings.api.url or "")
@@ -183,6 +249,43 @@ class TaskHost:
         if state.is_completed() and isinstance(state.data, ResultRecord):
             return state.data.result
         return state
+
+    def _take_hand_offs(self, parameters: dict[str, Any]) -> dict[Any, Any]:
+        """The results of the ``HandOff``s in ``parameters``, by task run id: each waited for here (all registered as
+        waiting first), or read from Ray's store when its task finished before this one came."""
+        import ray
+        from prefect.utilities.collections import visit_collection
+
+        hand_offs: dict[Any, HandOff] = {}
+        visit_collection(
+            parameters, lambda expr: hand_offs.setdefault(expr.task_run_id, expr) if isinstance(expr, HandOff) else None
+        )
+        with self._lock:
+            waiters = {}
+            for task_run_id in hand_offs:
+                waiters[task_run_id] = self._waiters.setdefault(task_run_id, _Waiters())
+                waiters[task_run_id].count += 1
+        values = {}
+        for task_run_id, hand_off in hand_offs.items():
+            waiter = waiters[task_run_id]
+            while not waiter.done.wait(0.05):  # it may have finished before this task registered: then Ray has it
+                if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
+                    break
+            with self._lock:
+                waiter.count -= 1
+                if waiter.count == 0 and self._waiters.get(task_run_id) is waiter:
+                    del self._waiters[task_run_id]
+            payload = waiter.payload if waiter.done.is_set() else None
+            values[task_run_id] = pickle.loads(payload) if payload is not None else ray.get(hand_off.ref)
+        return values
+
+    def _hand_over(self, task_run_id: Any, payload: bytes | None) -> None:
+        """Give the tasks waiting for ``task_run_id`` its pickled result (None: they read it from Ray's store)."""
+        with self._lock:
+            waiter = self._waiters.get(task_run_id)
+        if waiter is not None:
+            waiter.payload = payload
+            waiter.done.set()
 
     def _settings_context(self, key: str, ref: list):
         """The validated SettingsContext of ``key``, built from ``ref[0]`` (its serialized form, in the object store)
@@ -264,6 +367,7 @@ class WarmRayTaskRunner(RayTaskRunner):
         self.host_env = host_env
         self.preload = tuple(preload)
         self._host = None
+        self._host_token = uuid4().hex  # on this runner's futures: their tasks run in its host (see HandOff)
         self._host_lock = threading.Lock()
         self._by_reference: dict[str, tuple[dict, tuple[str, list]]] = {}  # what -> (its form, its reference)
 
@@ -364,7 +468,26 @@ class WarmRayTaskRunner(RayTaskRunner):
                 flow_run=flow_run,
             )
         )
-        return HostFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        future = HostFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        future.host_token = self._host_token
+        return future
+
+    def _exchange_prefect_for_ray_futures(self, parameters: dict[str, Any]) -> tuple[dict[str, Any], list]:
+        """prefect-ray's exchange of futures for Ray references (Ray resolves those before the task starts), except
+        that a future of a task of this runner's host becomes a ``HandOff`` (point 7 of the module docstring)."""
+        from prefect.utilities.collections import visit_collection
+
+        upstream_ray_obj_refs: list = []
+
+        def exchange(expr: Any) -> Any:
+            if not isinstance(expr, PrefectRayFuture):
+                return expr
+            if getattr(expr, "host_token", None) == self._host_token:
+                return HandOff(expr.task_run_id, expr.wrapped_future)
+            upstream_ray_obj_refs.append(expr.wrapped_future)
+            return expr.wrapped_future
+
+        return visit_collection(parameters, visit_fn=exchange, return_data=True), upstream_ray_obj_refs
 
     def _reference(self, what: str, serialized: dict) -> tuple[str, list]:
         """(key, [ObjectRef]) of a serialized context (``what``: settings or flow run): put in the object store once

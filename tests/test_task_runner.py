@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -213,3 +217,72 @@ def test_a_task_gets_the_result_of_the_task_before_it_unpickled_once(services, r
     pids = record.read_text().split()
     assert len(pids) == 1, f"unpickled {len(pids)} times"  # in the host, to run `use`; never in the flow
     assert int(pids[0]) != os.getpid()
+
+
+@flow(name="warm-runner-late-consumer", persist_result=False)
+def late_consumer() -> list[int]:
+    first = where.submit([], 0)
+    first.wait()  # done before the next task is even submitted: nothing in the host waits for it
+    return where.submit(first, 1).result()
+
+
+def test_a_task_submitted_after_its_upstream_finished_gets_the_result_from_rays_store(services, ray_cluster):
+    pids = late_consumer.with_options(task_runner=WarmRayTaskRunner())()
+    assert len(pids) == 2 and pids[0] == pids[1] != os.getpid()
+
+
+@task(name="record", **STAGE)
+def record(value: float, path: str) -> float:
+    Path(path).write_text(str(value))
+    return value
+
+
+@flow(name="warm-runner-upstream-failed", persist_result=False)
+def after_a_failure(path: str) -> list[str]:
+    failed = divide.submit(1)
+    downstream = record.submit(failed, path)
+    downstream.wait()
+    failed.wait()
+    return [failed.state.type.value, downstream.state.type.value]
+
+
+def test_a_task_whose_upstream_failed_does_not_run(services, ray_cluster, tmp_path):
+    path = tmp_path / "ran"
+    upstream, downstream = after_a_failure.with_options(task_runner=WarmRayTaskRunner())(str(path))
+    assert upstream == "FAILED" and downstream != "COMPLETED"
+    assert not path.exists()
+
+
+def test_a_task_starts_when_the_one_before_it_ends_even_with_the_flow_process_paused(services, ray_cluster, tmp_path):
+    """The second task gets the first one's result inside the task host (no round trip through the flow process):
+    it runs while the flow's process is stopped (SIGSTOP, as a debugger or the kernel would), right after the first.
+    With Ray resolving the future, the result would go to the flow, which would send the second task on."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    flow_process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "hand_off_flow.py"), address, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for _ in range(240):
+            if (tmp_path / "first-started").exists() or flow_process.poll() is not None:
+                break
+            time.sleep(0.25)
+        assert (tmp_path / "first-started").exists(), flow_process.communicate(timeout=30)[0][-3000:]
+        time.sleep(1)  # the flow submitted the second task right after the first
+        os.kill(flow_process.pid, signal.SIGSTOP)
+        try:
+            for _ in range(120):
+                if (tmp_path / "second-ran").exists():
+                    break
+                time.sleep(0.25)
+            assert (tmp_path / "second-ran").exists(), "the second task waited for the paused flow process"
+        finally:
+            os.kill(flow_process.pid, signal.SIGCONT)
+        output, _ = flow_process.communicate(timeout=120)
+        assert flow_process.returncode == 0, output[-3000:]
+        assert (tmp_path / "second-ran").read_text() == output.strip().splitlines()[-1]  # the first task's pid
+    finally:
+        if flow_process.poll() is None:
+            flow_process.kill()
