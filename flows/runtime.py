@@ -841,9 +841,10 @@ def ray_task_runner():
     from flows.task_runner import WarmRayTaskRunner
 
     # the worker classes too: a stage task's WorkerGroup argument is rebuilt in the host from its worker class, and the
-    # first one (validation before step 1) would otherwise wait for torch and transformers to import there
+    # first one (validation before step 1) would otherwise wait for torch and transformers to import there; and this
+    # module (with MLflow): the flow run context every task gets holds the flow, whose module imports it
     workers = ("rlworkers.workers.actor_rollout_ref", "rlworkers.workers.critic", "rlworkers.workers.reward")
-    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", *workers))
+    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", *workers, __name__))
 
 
 def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:
