@@ -42,4 +42,4 @@ if __name__ == "__main__":
     root = str(Path(__file__).resolve().parents[1])
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join([root, str(Path(root, "tests"))])}}
     runner = WarmRayTaskRunner(address=address, init_kwargs={"runtime_env": runtime_env, "log_to_driver": False})
-    print(hand_off.with_options(task_runner=runner)(folder))
+    print(f"first task's pid: {hand_off.with_options(task_runner=runner)(folder)}", flush=True)
