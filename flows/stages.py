@@ -1,6 +1,6 @@
 """The RL stages as Prefect tasks: each calls one WorkerGroup method (or one pure function) and returns what the
-next stage needs. On the Ray task runner every ``.submit()`` runs in Ray; futures passed between stages stay in
-Ray's object store and never pass through the flow process.
+next stage needs. On the Ray task runner every ``.submit()`` runs in Ray's task host, and a future passed to the
+next stage goes to it there, not through the flow process.
 
 Task runs are named ``<stage>-step-<N>`` (the training step they belong to; validation before training is step 0).
 Every stage is declared with ``@stage`` (name, retry policy, timing) and records ``timing_s/<stage>`` (seconds spent
