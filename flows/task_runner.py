@@ -37,12 +37,10 @@ wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self
    resolve it: the upstream task's result goes back to the flow process (its owner), which then sends the waiting
    task on with it: 7-10 ms between one stage's end and the next one's start here, 3 times per GRPO step. Here a
    future of a task of the same host goes as a ``HandOff`` (its task run id and reference, not a Ray dependency):
-   the task starts in the host at once and, as with Prefect's own task runners, its engine creates the task run
-   (Pending) and then waits for the upstream future while resolving the parameters (a ``HandedFuture``), so that
-   this part of its start overlaps the upstream task's run. It takes the upstream result pickled once by the
-   upstream task (each task unpickles its own copy, as from Ray's store; the same bytes go back to the flow as the
-   Ray result). The host keeps a result only while tasks wait for it; one that comes later reads it from Ray's
-   store.
+   the task starts in the host at once, waits there for the upstream task to finish and takes its result, pickled
+   once by the upstream task (each task unpickles its own copy, as from Ray's store; the same bytes go back to the
+   flow as the Ray result). The host keeps a result only while tasks wait for it; one that comes later reads it
+   from Ray's store.
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
@@ -211,12 +209,12 @@ class TaskHost:
     ) -> Any:
         """Run ``task`` with Prefect's engine, as prefect-ray's ``_run_prefect_task`` does, but with the references in
         ``parameters`` replaced by the values Ray resolved (``upstream_values``, in the order of ``upstream_refs``) and
-        each ``HandOff`` by a ``HandedFuture`` of its task, and returning the task's value when it completed, its final
-        state otherwise (points 5 to 7)."""
+        each ``HandOff`` by its task's result, and returning the task's value when it completed, its final state
+        otherwise (points 5 to 7)."""
         import ray
         from prefect.utilities.collections import visit_collection
 
-        handed = self._handed_futures(parameters)
+        handed = self._take_hand_offs(parameters)
         resolved = dict(zip(upstream_refs, upstream_values))
 
         def resolve(expr):
@@ -230,9 +228,6 @@ class TaskHost:
         except BaseException:
             self._hand_over(task_run_id, None)  # the waiting tasks read the error from Ray's store
             raise
-        finally:
-            for future in handed.values():  # not waited for when the task ended before it resolved its parameters
-                future.release()
         with self._lock:
             waited_for = task_run_id in self._waiters
         if not waited_for:
@@ -264,9 +259,10 @@ class TaskHost:
             return state.data.result
         return state
 
-    def _handed_futures(self, parameters: dict[str, Any]) -> dict[Any, "HandedFuture"]:
-        """A ``HandedFuture`` for each task run in the ``HandOff``s of ``parameters``, by its id: registered as waiting
-        for its result now, so that its task pickles the result for it when it ends."""
+    def _take_hand_offs(self, parameters: dict[str, Any]) -> dict[Any, Any]:
+        """The results of the ``HandOff``s in ``parameters``, by task run id: each waited for here (all registered as
+        waiting first), or read from Ray's store when its task finished before this one came."""
+        import ray
         from prefect.utilities.collections import visit_collection
 
         hand_offs: dict[Any, HandOff] = {}
@@ -274,19 +270,23 @@ class TaskHost:
             parameters, lambda expr: hand_offs.setdefault(expr.task_run_id, expr) if isinstance(expr, HandOff) else None
         )
         with self._lock:
-            futures = {}
-            for task_run_id, hand_off in hand_offs.items():
-                waiter = self._waiters.setdefault(task_run_id, _Waiters())
-                waiter.count += 1
-                futures[task_run_id] = HandedFuture(hand_off, waiter, self._release)
-        return futures
-
-    def _release(self, task_run_id: Any, waiter: _Waiters) -> None:
-        """One task less waits for ``task_run_id``; the last one lets go of its result."""
-        with self._lock:
-            waiter.count -= 1
-            if waiter.count == 0 and self._waiters.get(task_run_id) is waiter:
-                del self._waiters[task_run_id]
+            waiters = {}
+            for task_run_id in hand_offs:
+                waiters[task_run_id] = self._waiters.setdefault(task_run_id, _Waiters())
+                waiters[task_run_id].count += 1
+        values = {}
+        for task_run_id, hand_off in hand_offs.items():
+            waiter = waiters[task_run_id]
+            while not waiter.done.wait(0.05):  # it may have finished before this task registered: then Ray has it
+                if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
+                    break
+            with self._lock:
+                waiter.count -= 1
+                if waiter.count == 0 and self._waiters.get(task_run_id) is waiter:
+                    del self._waiters[task_run_id]
+            payload = waiter.payload if waiter.done.is_set() else None
+            values[task_run_id] = pickle.loads(payload) if payload is not None else ray.get(hand_off.ref)
+        return values
 
     def _hand_over(self, task_run_id: Any, payload: bytes | None) -> None:
         """Give the tasks waiting for ``task_run_id`` its pickled result (None: they read it from Ray's store)."""
@@ -356,36 +356,6 @@ class HostFuture(PrefectRayFuture):
             return out
         self._final_state = out
         return super().result(timeout, raise_on_failure)
-
-
-class HandedFuture(HostFuture):
-    """A ``HandOff`` in a task's parameters in the host: Prefect's engine waits for it when it resolves the parameters,
-    as for any upstream future, i.e. after it created the task run (point 7 of the module docstring)."""
-
-    def __init__(self, hand_off: HandOff, waiter: _Waiters, release: Callable[[Any, _Waiters], None]):
-        super().__init__(task_run_id=hand_off.task_run_id, wrapped_future=hand_off.ref)
-        self._waiter, self._release = waiter, release
-
-    def wait(self, timeout: float | None = None) -> None:
-        """The upstream task's result as this future's final state: handed over by the upstream task, or read from
-        Ray's store when that task ended before this one registered (``timeout`` is not used)."""
-        import ray
-
-        if self._final_state is not None:
-            return
-        while not self._waiter.done.wait(0.05):
-            if ray.wait([self.wrapped_future], timeout=0, fetch_local=False)[0]:
-                break
-        payload = self._waiter.payload if self._waiter.done.is_set() else None
-        self.release()
-        value = pickle.loads(payload) if payload is not None else ray.get(self.wrapped_future)
-        self._final_state = value if isinstance(value, State) else _completed(value)
-
-    def release(self) -> None:
-        """Stop waiting for the upstream result (once)."""
-        if self._release is not None:
-            self._release(self.task_run_id, self._waiter)
-            self._release = None
 
 
 class WarmRayTaskRunner(RayTaskRunner):
