@@ -231,6 +231,25 @@ def test_a_task_submitted_after_its_upstream_finished_gets_the_result_from_rays_
     assert len(pids) == 2 and pids[0] == pids[1] != os.getpid()
 
 
+@task(name="same", **STAGE)
+def same(value):
+    return value
+
+
+@flow(name="warm-runner-none", persist_result=False)
+def pass_none_on() -> list:
+    nothing = same.submit(None)
+    downstream = same.submit(same.submit(nothing))
+    downstream.wait()
+    return [same.submit(nothing).result(), downstream.state.result()]
+
+
+def test_a_task_that_returns_none_hands_none_on(services, ray_cluster):
+    """None goes from task to task like any result, and a future's state holds it (Prefect would raise MissingResult
+    for a Completed state with no data)."""
+    assert pass_none_on.with_options(task_runner=WarmRayTaskRunner())() == [None, None]
+
+
 @task(name="record", **STAGE)
 def record(value: float, path: str) -> float:
     Path(path).write_text(str(value))
@@ -286,22 +305,3 @@ def test_a_task_starts_when_the_one_before_it_ends_even_with_the_flow_process_pa
     finally:
         if flow_process.poll() is None:
             flow_process.kill()
-
-
-@task(name="same", **STAGE)
-def same(value):
-    return value
-
-
-@flow(name="warm-runner-none", persist_result=False)
-def pass_none_on() -> list:
-    nothing = same.submit(None)
-    downstream = same.submit(same.submit(nothing))
-    downstream.wait()
-    return [same.submit(nothing).result(), downstream.state.result()]
-
-
-def test_a_task_that_returns_none_hands_none_on(services, ray_cluster):
-    """None goes from task to task like any result, and a future's state holds it (Prefect would raise MissingResult
-    for a Completed state with no data)."""
-    assert pass_none_on.with_options(task_runner=WarmRayTaskRunner())() == [None, None]
