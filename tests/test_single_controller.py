@@ -3,6 +3,7 @@ colocation, torch.distributed over gloo, worker errors and unplaceable pools."""
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -384,3 +385,37 @@ def test_worker_group_travels_to_another_process(echo_group):
     state = echo_group.__getstate__()
     assert not any(callable(v) and hasattr(v, "__code__") for v in state.values())  # handles and bindings only
     assert len(ray.cloudpickle.dumps(echo_group)) < 50_000
+
+
+@ray.remote
+class _GroupReceiver:
+    """A long-lived process that gets groups as arguments, as the task host does."""
+
+    def receive(self, group, data):
+        return id(group), group.double(data).batch["x"].tolist(), group.call_timeout_s
+
+
+def test_a_process_unpickles_an_unchanged_group_once(echo_group):
+    """The same group sent again to one process is the object it unpickled the first time (its actor handles are
+    not deserialized per call); a group whose state changed arrives as a new object with the new state."""
+    receiver = _GroupReceiver.remote()
+    first, x, _ = ray.get(receiver.receive.remote(echo_group, batch(2)))
+    again, _, _ = ray.get(receiver.receive.remote(echo_group, batch(2)))
+    assert x == [0.0, 2.0] and again == first
+    before = (echo_group.call_timeout_s, echo_group.call_timeout_s_per_row)
+    echo_group.set_call_timeout(123.0)
+    try:
+        changed, x, timeout = ray.get(receiver.receive.remote(echo_group, batch(2)))
+    finally:
+        echo_group.set_call_timeout(*before)
+    assert changed != first and timeout == 123.0 and x == [0.0, 2.0]
+    ray.kill(receiver)
+
+
+def test_copies_of_a_group_are_distinct_objects(echo_group):
+    """``copy.copy`` (as ``spawn`` uses it) makes a new group on the same actors, never a shared cached one."""
+    first, second = copy.copy(echo_group), copy.deepcopy(echo_group)
+    assert len({id(first), id(second), id(echo_group)}) == 3
+    first.set_call_timeout(7.0)
+    assert second.call_timeout_s != 7.0 and echo_group.call_timeout_s != 7.0
+    assert torch.equal(second.double(batch(3)).batch["x"], torch.arange(3, dtype=torch.float32) * 2)
