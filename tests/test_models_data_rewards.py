@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 
 import pyarrow as pa
@@ -97,6 +98,16 @@ def test_ensure_refuses_a_partial_folder(tmp_path):
     (tmp_path / "partial" / "config.json").write_text("{}")
     with pytest.raises(FileExistsError, match="partial"):
         ensure_tiny_model(tmp_path / "partial")
+
+
+def test_workers_and_flows_import_without_scikit_learn():
+    # scikit-learn is installed (mlflow needs it), but transformers would import it in every worker for nothing
+    code = (
+        "import sys; import rlworkers.workers.actor_rollout_ref, rlworkers.workers.critic, flows.grpo, flows.ppo; "
+        "from transformers import GenerationMixin; "
+        "assert 'sklearn' not in sys.modules, [m for m in sys.modules if m.startswith('sklearn')][:3]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_unknown_dtype_is_rejected(tiny_dir):

@@ -11,7 +11,6 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from transformers import AutoModelForTokenClassification
 
 from rlworkers.algorithms.core_algos import compute_value_loss, masked_mean
 from rlworkers.models.loading import resolve_model_path, torch_dtype
@@ -42,6 +41,8 @@ class CriticWorker(Worker):
     def init_model(self) -> None:
         self.init_process_group(self.backend, timeout_s=self.collective_timeout_s)
         common.seed_everything(self.seed)  # the new value head starts identical on every rank
+        from transformers import AutoModelForTokenClassification  # after rlworkers.models: see its __init__
+
         path = resolve_model_path(self.model_config.path)
         self.model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=1, dtype=torch_dtype(self.model_config.dtype)
