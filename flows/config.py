@@ -108,6 +108,13 @@ class TrainerConfig(_Frozen):
     total_steps: int = Field(20, gt=0)
     save_freq: int = Field(10, description="checkpoint every N steps (and at the end); <= 0: only at the end")
     test_freq: int = Field(10, description="validate every N steps (and before the first and after the last)")
+    steps_per_task: int = Field(
+        1,
+        ge=1,
+        description="SFT only: training steps per sft_step task, one batch and one optimizer step each, every step "
+        "logged (Keras's steps_per_execution): a task's ~10 ms of orchestration shared by that many steps, for "
+        "steps so short that it shows; a block of steps ends where validation or a checkpoint is due",
+    )
     keep_last_checkpoints: int = Field(2, description="retention; <= 0 keeps all")
     runs_dir: str = Field("runs", description="local path or fsspec URL (s3://...) shared by driver and workers")
     resume: str = Field("auto", description="'auto' (newest valid checkpoint of run_name), 'never', or a path")

@@ -146,10 +146,21 @@ class Run:
     @property
     def steps(self) -> Iterator[int]:
         """The steps left to train; recovery from a fault rewinds them to the restored checkpoint."""
-        self.next_step = self.start_step
-        while self.next_step <= self.config.trainer.total_steps:
-            step, self.next_step = self.next_step, self.next_step + 1
+        for (step,) in self.step_blocks(1):
             yield step
+
+    def step_blocks(self, size: int) -> Iterator[list[int]]:
+        """The steps left to train, in blocks of at most ``size`` consecutive steps that run as one task (SFT's
+        ``trainer.steps_per_task``); a block ends at a step that validates or saves a checkpoint. Recovery from a
+        fault rewinds them to the restored checkpoint."""
+        self.next_step = self.start_step
+        total = self.config.trainer.total_steps
+        while self.next_step <= total:
+            block = [self.next_step]
+            while len(block) < size and not (self.should_validate(block[-1]) or self.should_save(block[-1])):
+                block.append(block[-1] + 1)
+            self.next_step = block[-1] + 1
+            yield block
 
     # ------------------------------------------------------------------------------------------ batches
     def next_rows(self) -> list[dict]:
@@ -186,24 +197,32 @@ class Run:
         """One training step: the body fills the yielded metrics; then they are logged, and validation and the
         checkpoint run when due. If the step fails because a worker died or hung, the run restores its newest
         checkpoint and ``steps`` rewinds to redo what it lost (see ``recover``)."""
-        metrics: dict = {}
+        with self.step_block([step], critical_path) as block:
+            block.append({})
+            yield block[0]
+
+    @contextmanager
+    def step_block(self, steps: list[int], critical_path: list[list[str]]) -> Iterator[list[dict]]:
+        """``step`` for a block of steps that run as one task (see ``step_blocks``): the body appends each step's
+        metrics in order. A step's ``timing_s/step`` is its share of the block's wall time in proportion to its time
+        in the workers, so every step of a block shows the block's orchestration overhead fraction."""
+        block: list[dict] = []
         start, self.step_started_at = time.perf_counter(), datetime.now(timezone.utc)
         try:
-            yield metrics
-            metrics["timing_s/step"] = time.perf_counter() - start
-            self.end_step(step, metrics, critical_path)
+            yield block
+            wall = time.perf_counter() - start
+            work = [worker_time(metrics, critical_path) for metrics in block]
+            for step, metrics, seconds in zip(steps, block, work, strict=True):
+                metrics["timing_s/step"] = wall * seconds / sum(work) if sum(work) > 0 else wall / len(steps)
+                self.end_step(step, metrics, critical_path)
         except Exception as error:
-            self.recover(step, error)
+            self.recover(steps[0], error)
 
     def log_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
-        """Log a step's metrics with throughput and the controller's share of the step time.
-
-        ``critical_path`` lists the stages in order; stages in one inner list ran concurrently (their max counts).
-        """
-        wall = metrics["timing_s/step"]
-        worker_time = sum(max(metrics.get(f"timing_s/{s}", 0.0) for s in group) for group in critical_path)
-        metrics["perf/orchestration_overhead_frac"] = max(0.0, 1.0 - worker_time / wall)
-        metrics["perf/worker_time_s"] = worker_time
+        """Log a step's metrics with throughput and the controller's share of the step time (see ``worker_time``)."""
+        wall, work = metrics["timing_s/step"], worker_time(metrics, critical_path)
+        metrics["perf/orchestration_overhead_frac"] = max(0.0, 1.0 - work / wall)
+        metrics["perf/worker_time_s"] = work
         if "response_length/mean" in metrics:
             tokens = metrics["response_length/mean"] * self.config.data.train_batch_size * self.config.rollout.n
             metrics["perf/throughput"] = tokens / wall
@@ -481,6 +500,12 @@ class TerminalProgress:
 
 
 # ---------------------------------------------------------------------------------------------- set-up
+def worker_time(metrics: dict, critical_path: list[list[str]]) -> float:
+    """A step's seconds in its stages' calls along ``critical_path`` (stages listed in order; those in one inner
+    list ran concurrently, so their longest counts)."""
+    return sum(max(metrics.get(f"timing_s/{stage}", 0.0) for stage in group) for group in critical_path)
+
+
 def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Run:
     """Name the run, pin what it starts from (first attempt) or read that back (later attempts), open its MLflow
     run, build the worker groups (``roles`` among actor, ref, reward, critic) and resume its newest checkpoint.
@@ -492,6 +517,11 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     """
     from flows.preflight import require_mlflow_tracking, require_prefect_api
 
+    if algorithm != "sft" and config.trainer.steps_per_task != 1:
+        raise ValueError(
+            f"trainer.steps_per_task={config.trainer.steps_per_task} applies to SFT only: {algorithm} runs each "
+            "stage of a step as a task of its own; set it to 1"
+        )
     require_prefect_api()
     require_mlflow_tracking()
     check_runs_dir_writable(config)

@@ -1,8 +1,9 @@
 """Supervised fine-tuning (the warm-up before RL) as a Prefect flow.
 
 Each step: one batch of ``prompt + response`` pairs, next-token cross-entropy on the response tokens,
-one optimizer step on every data-parallel worker (``sft_step``). Validation generates greedily and scores with
-the reward function. Run it with ``rlflow train sft --config demo-sft``.
+one optimizer step on every data-parallel worker (``sft_step``); a task runs ``trainer.steps_per_task`` such steps
+(one unless configured, for steps so short that a task's orchestration shows). Validation generates greedily and
+scores with the reward function. Run it with ``rlflow train sft --config demo-sft``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def sft(config: RLConfig) -> dict:
     run = start_run(config, "sft", roles=("actor", "reward"))
     actor = run.groups["actor"]
     with run.training():
-        for step in run.steps:
-            with run.step(step, [["sft_step"]]) as metrics:
-                metrics.update(sft_step.submit(actor, run.next_sft_batch(), step).result())
+        for steps in run.step_blocks(config.trainer.steps_per_task):  # one step per task unless configured
+            with run.step_block(steps, [["sft_step"]]) as metrics:
+                batches = [run.next_sft_batch() for _ in steps]
+                metrics.extend(sft_step.submit(actor, batches, steps[0], steps[-1]).result())
     return run.last_metrics

@@ -156,9 +156,24 @@ def update_critic(critic, batch: DataProto, step: int) -> dict:
     return _mean_metrics(critic.update_critic(batch))
 
 
-@stage("sft_step", STATEFUL, timing="sft_step")
-def sft_step(actor, batch: DataProto, step: int) -> dict:
-    return _mean_metrics(actor.sft_step(batch))
+def _sft_run_name() -> str:
+    from prefect.runtime import task_run
+
+    step, last = task_run.parameters["step"], task_run.parameters["last_step"]
+    return f"sft_step-step-{step}" + (f"-to-{last}" if last != step else "")
+
+
+@task(name="sft_step", task_run_name=_sft_run_name, **STATEFUL)
+def sft_step(actor, batches: list[DataProto], step: int, last_step: int) -> list[dict]:
+    """SFT steps ``step`` to ``last_step``, one batch each (``trainer.steps_per_task``; the run is named
+    ``sft_step-step-<step>``, or ``...-to-<last_step>`` for a block): each step's metrics with its
+    ``timing_s/sft_step``."""
+    out = []
+    for batch in batches:
+        start = time.perf_counter()
+        metrics = _mean_metrics(actor.sft_step(batch))
+        out.append({**metrics, "timing_s/sft_step": time.perf_counter() - start})
+    return out
 
 
 @stage("update_actor_dpo", STATEFUL, timing="update_actor")

@@ -248,8 +248,9 @@ class ProgressArtifact:
 
 
 def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0) -> list[str]:
-    """``"<task run name>: <state message>"`` for each failed task run of ``step`` in the current flow run that
-    started at ``since`` or later (a step redone after a restart has task runs of the same names from before).
+    """``"<task run name>: <state message>"`` for each failed task run of ``step`` (or of a block of steps that starts
+    there, ``...-step-<step>-to-<last>``) in the current flow run that started at ``since`` or later (a step redone
+    after a restart has task runs of the same names from before).
 
     Task-run states reach the Prefect server as events, a moment after the failure: wait up to ``wait_s``."""
     from prefect.client.orchestration import get_client
@@ -277,7 +278,7 @@ def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0
             found = [
                 f"{r.name}: {r.state.message if r.state else r.state_name}"
                 for r in runs
-                if r.name.endswith(f"-step-{step}")
+                if (r.name.endswith(f"-step-{step}") or f"-step-{step}-to-" in r.name)
                 and (since is None or (r.start_time or r.expected_start_time or r.created) >= since)
             ]
             if found or time.monotonic() > deadline:

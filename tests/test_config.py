@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flows.config import ConfigError, apply_overrides, flatten, load_config, resolve_preset
-from flows.runtime import dataset_rows
+from flows.runtime import Run, dataset_rows
 
 
 def test_preset_and_overrides():
@@ -54,3 +54,16 @@ def test_validation_rows_fall_back_to_training_files(tmp_path):
     train, val = dataset_rows(builtin, "train"), dataset_rows(builtin, "validation")
     assert len(train) == 2000 and len(val) == 200
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+
+
+def test_step_blocks_end_where_validation_or_a_checkpoint_is_due_and_rewind():
+    config = load_config(
+        "demo-sft", ["trainer.total_steps=11", "trainer.test_freq=5", "trainer.save_freq=3", "trainer.steps_per_task=4"]
+    )
+    run = Run(config=config, algorithm="sft", root="", tokenizer=None, loader=None, val_rows=[], tracker=None)
+    assert list(run.step_blocks(4)) == [[1, 2, 3], [4, 5], [6], [7, 8, 9], [10], [11]]
+    assert list(run.steps) == list(range(1, 12))
+    blocks = run.step_blocks(4)
+    assert next(blocks) == [1, 2, 3] and next(blocks) == [4, 5]
+    run.next_step = 4  # what recovery does after restoring the step-3 checkpoint
+    assert list(blocks) == [[4, 5], [6], [7, 8, 9], [10], [11]]

@@ -321,6 +321,7 @@ def test_bad_model_or_data_fail_before_any_worker_or_mlflow_run(env, tmp_path):
             f"data.train_files=[{long_prompts}]",
             "prompts.jsonl line 2: the prompt has 82 tokens, more than data.max_prompt_length=16",
         ),
+        ("trainer.steps_per_task=2", "trainer.steps_per_task=2 applies to SFT only"),
     ]
     for override, message in cases:
         name = f"bad-input-{uuid.uuid4().hex[:6]}"
@@ -328,8 +329,8 @@ def test_bad_model_or_data_fail_before_any_worker_or_mlflow_run(env, tmp_path):
             config=small_config(env, name, override), return_state=True
         )
         assert state.is_failed() and message in state.message, state.message
-        experiment = MlflowClient().get_experiment_by_name("rlflow")
-        assert not MlflowClient().search_runs(
+        experiment = MlflowClient().get_experiment_by_name("rlflow")  # None when no run was ever started
+        assert experiment is None or not MlflowClient().search_runs(
             [experiment.experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'"
         )
 
@@ -419,6 +420,30 @@ def test_other_algorithms_run_end_to_end(env, algorithm):
     assert expected in metrics
     client, run = mlflow_run(name)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")] == [1, 2]
+
+
+def test_sft_steps_in_blocks_train_as_one_step_per_task_does(env):
+    """trainer.steps_per_task=3: one task per block of steps, blocks end at checkpoints; every step is logged, and
+    the run trains exactly as one step per task does (same seed: the same losses)."""
+    base = f"sft-blocks-{uuid.uuid4().hex[:6]}"
+    extra = ("trainer.total_steps=7", "trainer.save_freq=5", "trainer.test_freq=0", "data.train_batch_size=16")
+    runs = {}
+    for size in (1, 3):
+        state, _ = run_flow("sft", small_config(env, f"{base}-{size}", *extra, f"trainer.steps_per_task={size}"))
+        assert state.is_completed()
+        runs[size] = state
+    _, task_runs, _ = asyncio.run(prefect_view(runs[3].state_details.flow_run_id))
+    sft_runs = {t.name: t.state.type.value for t in task_runs if t.name.startswith("sft_step")}
+    assert sft_runs == {f"sft_step-step-{a}-to-{b}": "COMPLETED" for a, b in ((1, 3), (4, 5), (6, 7))}
+    assert [step for step, _ in list_checkpoints(f"{env['runs']}/{base}-3/checkpoints")] == [5, 7]
+    losses = {}
+    for size in (1, 3):
+        client, run = mlflow_run(f"{base}-{size}")
+        history = client.get_metric_history(run.info.run_id, "sft/loss")
+        losses[size] = [m.value for m in sorted(history, key=lambda m: m.step)]
+        overhead = client.get_metric_history(run.info.run_id, "perf/orchestration_overhead_frac")
+        assert sorted(m.step for m in overhead) == list(range(1, 8))
+    assert len(losses[3]) == 7 and losses[3] == losses[1]
 
 
 def test_invalid_config_fails_before_anything_starts(tmp_path):

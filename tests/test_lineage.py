@@ -48,6 +48,7 @@ def lineage_config(env, lineage: str, reward: str, *extra: str):
             "trainer.total_steps=2",
             "trainer.save_freq=2",
             "trainer.test_freq=0",
+            "trainer.steps_per_task=1",  # a task run per step: the UI test looks for sft_step-step-1 and -2
             "data.train_batch_size=16",
             "data.val_batch_size=8",
             "actor.ppo_mini_batch_size=16",
