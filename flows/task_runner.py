@@ -37,12 +37,10 @@ wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self
    resolve it: the upstream task's result goes back to the flow process (its owner), which then sends the waiting
    task on with it: 7-10 ms between one stage's end and the next one's start here, 3 times per GRPO step. Here a
    future of a task of the same host goes as a ``HandOff`` (its task run id and reference, not a Ray dependency):
-   the task starts in the host at once and, as with any upstream future in stock Prefect, its task run is created
-   and waits Pending (in Prefect's engine, which resolves a ``HandedFuture``) until the upstream task finished and
-   handed it its result, pickled once by the upstream task (each task unpickles its own copy, as from Ray's store;
-   the same bytes go back to the flow as the Ray result). Creating the task run is thus done while the upstream
-   runs, not between its end and this task's start. The host keeps a result only while tasks wait for it; one that
-   comes later reads it from Ray's store.
+   the task starts in the host at once, waits there for the upstream task to finish and takes its result, pickled
+   once by the upstream task (each task unpickles its own copy, as from Ray's store; the same bytes go back to the
+   flow as the Ray result). The host keeps a result only while tasks wait for it; one that comes later reads it
+   from Ray's store.
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
@@ -216,7 +214,7 @@ class TaskHost:
         import ray
         from prefect.utilities.collections import visit_collection
 
-        handed = self._register_hand_offs(parameters)
+        handed = self._take_hand_offs(parameters)
         resolved = dict(zip(upstream_refs, upstream_values))
 
         def resolve(expr):
@@ -230,9 +228,6 @@ class TaskHost:
         except BaseException:
             self._hand_over(task_run_id, None)  # the waiting tasks read the error from Ray's store
             raise
-        finally:
-            for future in handed.values():  # those the engine did not wait for (it failed before)
-                future.release()
         with self._lock:
             waited_for = task_run_id in self._waiters
         if not waited_for:
@@ -264,9 +259,10 @@ class TaskHost:
             return state.data.result
         return state
 
-    def _register_hand_offs(self, parameters: dict[str, Any]) -> dict[Any, "HandedFuture"]:
-        """A ``HandedFuture`` for each ``HandOff`` in ``parameters``, by task run id, registered as waiting at once
-        (so that the upstream task keeps its result for this one); Prefect's engine waits on them."""
+    def _take_hand_offs(self, parameters: dict[str, Any]) -> dict[Any, Any]:
+        """The results of the ``HandOff``s in ``parameters``, by task run id: each waited for here (all registered as
+        waiting first), or read from Ray's store when its task finished before this one came."""
+        import ray
         from prefect.utilities.collections import visit_collection
 
         hand_offs: dict[Any, HandOff] = {}
@@ -278,27 +274,19 @@ class TaskHost:
             for task_run_id in hand_offs:
                 waiters[task_run_id] = self._waiters.setdefault(task_run_id, _Waiters())
                 waiters[task_run_id].count += 1
-        return {
-            task_run_id: HandedFuture(self, hand_off, waiters[task_run_id])
-            for task_run_id, hand_off in hand_offs.items()
-        }
-
-    def _take_hand_off(self, hand_off: HandOff, waiter: _Waiters) -> Any:
-        """The result of ``hand_off``'s task: waited for here, or read from Ray's store when its task finished
-        before this one registered."""
-        import ray
-
-        while not waiter.done.wait(0.05):  # it may have finished before this task registered: then Ray has it
-            if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
-                break
-        payload = waiter.payload if waiter.done.is_set() else None
-        return pickle.loads(payload) if payload is not None else ray.get(hand_off.ref)
-
-    def _unregister(self, hand_off: HandOff, waiter: _Waiters) -> None:
-        with self._lock:
-            waiter.count -= 1
-            if waiter.count == 0 and self._waiters.get(hand_off.task_run_id) is waiter:
-                del self._waiters[hand_off.task_run_id]
+        values = {}
+        for task_run_id, hand_off in hand_offs.items():
+            waiter = waiters[task_run_id]
+            while not waiter.done.wait(0.05):  # it may have finished before this task registered: then Ray has it
+                if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
+                    break
+            with self._lock:
+                waiter.count -= 1
+                if waiter.count == 0 and self._waiters.get(task_run_id) is waiter:
+                    del self._waiters[task_run_id]
+            payload = waiter.payload if waiter.done.is_set() else None
+            values[task_run_id] = pickle.loads(payload) if payload is not None else ray.get(hand_off.ref)
+        return values
 
     def _hand_over(self, task_run_id: Any, payload: bytes | None) -> None:
         """Give the tasks waiting for ``task_run_id`` its pickled result (None: they read it from Ray's store)."""
@@ -338,38 +326,6 @@ class TaskHost:
                 client.__enter__()  # kept open for the host's life; SyncClientContext re-enters it per task
                 self._clients[api_url] = client
             return self._clients[api_url]
-
-
-class HandedFuture(PrefectFuture):
-    """In the host, in a task's parameters: the result of an upstream task of the same host (a ``HandOff``). Prefect's
-    engine waits for it while the task run is Pending, as it waits for any upstream future; the task run exists and
-    is Pending by then, so creating it is not on the way from the upstream's end to this task's start."""
-
-    def __init__(self, host: TaskHost, hand_off: HandOff, waiter: _Waiters):
-        super().__init__(hand_off.task_run_id)
-        self._host, self._hand_off, self._waiter = host, hand_off, waiter
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._final_state is None:
-            try:
-                out = self._host._take_hand_off(self._hand_off, self._waiter)
-            finally:
-                self.release()
-            self._final_state = out if isinstance(out, State) else _completed(out)
-
-    def release(self) -> None:
-        """Stop waiting: the upstream task need not keep its result for this one (also when this task ended before
-        taking it)."""
-        if self._waiter is not None:
-            self._host._unregister(self._hand_off, self._waiter)
-            self._waiter = None
-
-    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        self.wait(timeout)
-        return self._final_state.result(raise_on_failure=raise_on_failure, _sync=True)
-
-    def add_done_callback(self, fn: Callable[[PrefectFuture], None]) -> None:
-        raise NotImplementedError("a handed-over result is only waited for by the task it was handed to")
 
 
 class HostFuture(PrefectRayFuture):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -249,42 +248,6 @@ def test_a_task_that_returns_none_hands_none_on(services, ray_cluster):
     """None goes from task to task like any result, and a future's state holds it (Prefect would raise MissingResult
     for a Completed state with no data)."""
     assert pass_none_on.with_options(task_runner=WarmRayTaskRunner())() == [None, None]
-
-
-@task(name="slow", task_run_name="slow", **STAGE)
-def slow(seconds: float) -> int:
-    time.sleep(seconds)
-    return os.getpid()
-
-
-@task(name="after-slow", task_run_name="after-slow", **STAGE)
-def after_slow(pid: int) -> int:
-    return pid
-
-
-@flow(name="warm-runner-pending", persist_result=False)
-def pending_downstream() -> tuple[dict[str, str], int]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.runtime import flow_run
-
-    downstream = after_slow.submit(slow.submit(6.0))
-    deadline, states = time.monotonic() + 5, {}
-    with get_client(sync_client=True) as client:  # task runs reach the API as events, a moment later
-        while time.monotonic() < deadline and set(states) != {"slow", "after-slow"}:
-            time.sleep(0.25)
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.get_id()])))
-            # a waiting task run has Prefect's default name (after-slow-<3 hex digits>) until its parameters resolve
-            states = {re.sub(r"-[0-9a-f]{3}$", "", run.name): run.state_type.value for run in runs}
-    return states, downstream.result()
-
-
-def test_a_task_waits_for_its_upstream_in_the_host_as_a_pending_task_run(services, ray_cluster):
-    """As with stock Prefect, the task run of a task given an upstream future exists while the upstream runs, Pending
-    (in the host, waiting for the result to be handed over); it runs once the upstream completed."""
-    states, pid = pending_downstream.with_options(task_runner=WarmRayTaskRunner())()
-    assert states == {"slow": "RUNNING", "after-slow": "PENDING"}
-    assert pid != os.getpid()
 
 
 @task(name="record", **STAGE)
