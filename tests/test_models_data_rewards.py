@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from rlworkers.data import PromptDataLoader, ensure_addition_dataset, load_prompt_dataset, make_addition_dataset
-from rlworkers.data.batching import TokenCache, _left_pad, prompt_batch, sft_batch
+from rlworkers.data.batching import TokenCache, _left_pad, decode_responses, prompt_batch, sft_batch
 from rlworkers.models import create_tiny_model, ensure_tiny_model, load_model_and_tokenizer
+from rlworkers.protocol import DataProto
 from rlworkers.rewards import (
     compute_scores,
     exact_answer_reward,
@@ -267,6 +268,17 @@ def test_batches_are_left_padded_with_hand_values(tiny):
     assert sft.batch["input_ids"][0].tolist()[-len(response) :] == response
     assert sft.batch["loss_mask"][0].tolist() == [0] * len(one_by_one[0]) + [1] * len(response)
     assert sft.batch["attention_mask"][1].sum() == len(one_by_one[1]) + 2  # "2" + eos
+
+
+def test_responses_decode_to_their_masked_in_text_without_the_final_eos(tiny):
+    _, tokenizer = tiny
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    one, two, plus = (tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in "12+")
+    responses = torch.tensor([[one, two, eos, pad], [two, eos, one, eos], [one, plus, one, two], [pad] * 4])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    batch = DataProto.from_dict({"responses": responses, "response_mask": mask})
+    # an EOS inside a response is a special token (skipped), only the last one ends it; masked-out tokens are not text
+    assert decode_responses(batch, tokenizer) == ["12", "21", "1+", ""]
 
 
 def test_the_token_cache_gives_the_tokenizers_ids_and_tokenizes_each_text_once(tiny):

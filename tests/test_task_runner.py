@@ -272,6 +272,41 @@ def test_a_task_whose_upstream_failed_does_not_run(services, ray_cluster, tmp_pa
     assert not path.exists()
 
 
+def _finish_slowly(task, task_run, state) -> None:
+    time.sleep(2)  # Prefect's engine runs this after the task's function returned, before the task run ends
+    Path(state.result()).with_suffix(".finished").write_text(str(time.time()))  # the path the task returned
+
+
+@task(name="produce", on_completion=[_finish_slowly], **STAGE)
+def produce(path: str) -> str:
+    return path
+
+
+@task(name="consume", **STAGE)
+def consume(path: str) -> float:
+    return time.time()
+
+
+@flow(name="warm-runner-early-hand-over", persist_result=False)
+def produce_then_consume(path: str) -> list:
+    upstream = produce.submit(path)
+    started = consume.submit(upstream).result()
+    upstream.wait()
+    return [started, upstream.state.type.value]
+
+
+def test_a_result_is_handed_on_when_the_function_returns_it_not_when_the_engine_is_done(
+    services, ray_cluster, tmp_path
+):
+    """The next task starts while Prefect's engine still finishes the task before it (here: a slow completion hook),
+    and that one still ends Completed, its hook run."""
+    path = tmp_path / "produced"
+    started, upstream_state = produce_then_consume.with_options(task_runner=WarmRayTaskRunner())(str(path))
+    finished = float(path.with_suffix(".finished").read_text())
+    assert upstream_state == "COMPLETED"
+    assert started < finished - 1, f"the next task started {started - finished:.2f} s after the hook ended"
+
+
 def test_a_task_starts_when_the_one_before_it_ends_even_with_the_flow_process_paused(services, ray_cluster, tmp_path):
     """The second task gets the first one's result inside the task host (no round trip through the flow process):
     it runs while the flow's process is stopped (SIGSTOP, as a debugger or the kernel would), right after the first.

