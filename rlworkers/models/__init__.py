@@ -4,15 +4,18 @@ import transformers.utils
 import transformers.utils.import_utils
 
 
-def _sklearn_unused() -> bool:
+def _not_for_rlflow() -> bool:
     return False
 
 
 # transformers imports scikit-learn's metrics when scikit-learn is installed (mlflow requires it), for a threshold of
-# assisted decoding that rlflow never uses: ~1 s of the start-up of every worker, of the task host and of the flow
-# here. Set before transformers' generation module is imported (it binds the check then): rlworkers imports
+# assisted decoding that rlflow never uses, and scipy.optimize when scipy is installed, for the losses of its object
+# detection models: ~1 s each of the start-up of every worker, of the task host and of the flow here. Set before
+# transformers' generation and loss modules are imported (they bind the checks then): rlworkers imports
 # transformers' models only through this package.
-transformers.utils.is_sklearn_available = transformers.utils.import_utils.is_sklearn_available = _sklearn_unused
+for _check in ("is_sklearn_available", "is_scipy_available"):
+    setattr(transformers.utils, _check, _not_for_rlflow)
+    setattr(transformers.utils.import_utils, _check, _not_for_rlflow)
 
 from rlworkers.models.loading import (  # noqa: E402
     TINY_MODEL_NAME,
