@@ -238,9 +238,7 @@ class TaskHost:
             raise
         if early and not isinstance(out, State):
             return Pickled(early[0])
-        with self._lock:
-            waited_for = task_run_id in self._waiters
-        if not waited_for:
+        if not self._waited_for(task_run_id):
             self._hand_over(task_run_id, None)  # a task that comes later reads the result from Ray's store
             return out
         try:
@@ -262,9 +260,7 @@ class TaskHost:
         @functools.wraps(fn)  # the engine binds the parameters to the function's signature
         def fn_then_hand_over(*args, **kwargs):
             value = fn(*args, **kwargs)
-            with self._lock:
-                waited_for = task_run_id in self._waiters
-            if waited_for and not isinstance(value, (State, PrefectFuture)):  # a state decides the task's own end
+            if self._waited_for(task_run_id) and not isinstance(value, (State, PrefectFuture)):  # a state: its own end
                 try:
                     early.append(cloudpickle.dumps(value))
                 except Exception:  # Ray's own serializer will say why, once the task returns
@@ -328,6 +324,10 @@ class TaskHost:
             payload = waiter.payload if waiter.done.is_set() else None
             values[task_run_id] = pickle.loads(payload) if payload is not None else ray.get(hand_off.ref)
         return values
+
+    def _waited_for(self, task_run_id: Any) -> bool:
+        with self._lock:
+            return task_run_id in self._waiters
 
     def _hand_over(self, task_run_id: Any, payload: bytes | None) -> None:
         """Give the tasks waiting for ``task_run_id`` its pickled result (None: they read it from Ray's store), once;
