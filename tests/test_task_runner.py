@@ -307,6 +307,64 @@ def test_a_result_is_handed_on_when_the_function_returns_it_not_when_the_engine_
     assert started < finished - 1, f"the next task started {started - finished:.2f} s after the hook ended"
 
 
+@task(name="hold", **STAGE)
+def hold(path: str) -> str:
+    while not Path(path).exists():  # until the test lets it finish
+        time.sleep(0.05)
+    return Path(path).read_text()
+
+
+@task(name="after", **STAGE)
+def after(text: str) -> str:
+    return text.upper()
+
+
+@flow(name="warm-runner-pending-while-upstream-runs", persist_result=False)
+def hold_then_after(path: str, tag: str) -> str:
+    from prefect import tags
+
+    with tags(tag):
+        return after.submit(hold.submit(path)).result()
+
+
+def _task_run_states(tag: str) -> dict[str, str]:
+    """Task name -> state of the task runs tagged ``tag``, as the API has them now."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterTags
+
+    async def read() -> list:
+        async with get_client() as client:
+            return await client.read_task_runs(task_run_filter=TaskRunFilter(tags=TaskRunFilterTags(all_=[tag])))
+
+    return {run.name.split("-")[0]: run.state_type.value for run in asyncio.run(read())}
+
+
+def test_a_task_waits_for_its_upstream_as_a_pending_task_run(services, ray_cluster, tmp_path):
+    """As with Prefect's own runners, a task whose upstream still runs is a Pending task run in the API (its engine
+    created it meanwhile, under Prefect's default name until its parameters are resolved), and turns Running and
+    Completed once the upstream's result is there."""
+    from concurrent.futures import ThreadPoolExecutor
+    from uuid import uuid4
+
+    path, tag = tmp_path / "go", uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(hold_then_after.with_options(task_runner=WarmRayTaskRunner()), str(path), tag)
+        states: dict[str, str] = {}
+        for _ in range(240):
+            states = _task_run_states(tag)
+            if len(states) == 2 or result.done():
+                break
+            time.sleep(0.25)
+        path.write_text("sum")
+        assert result.result(timeout=120) == "SUM"
+    assert states == {"hold": "RUNNING", "after": "PENDING"}
+    for _ in range(120):
+        if _task_run_states(tag) == {"hold": "COMPLETED", "after": "COMPLETED"}:
+            break
+        time.sleep(0.25)
+    assert _task_run_states(tag) == {"hold": "COMPLETED", "after": "COMPLETED"}
+
+
 def test_a_task_starts_when_the_one_before_it_ends_even_with_the_flow_process_paused(services, ray_cluster, tmp_path):
     """The second task gets the first one's result inside the task host (no round trip through the flow process):
     it runs while the flow's process is stopped (SIGSTOP, as a debugger or the kernel would), right after the first.
