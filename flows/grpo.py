@@ -6,8 +6,10 @@ Each step, for a batch of prompts:
      log-probs and the reference's                               compute_log_prob / compute_ref_log_prob
   3. advantages: each response's reward against its group's      compute_advantage   (pure function)
   4. PPO-clip update of the policy (+ KL to the reference)       update_actor        (actor group)
-then validate / checkpoint on schedule. With ``algorithm.rollout_correction.bypass_mode`` (verl's bypass mode) the
-rollout's own log-probs are the old policy's: step 2 has no ``compute_log_prob``.
+then validate / checkpoint on schedule. Between two steps with neither, step 1 of the next step is submitted while
+step 4 runs, waiting for it (``wait_for``): it starts as soon as the update ends, not after the flow has heard of it.
+With ``algorithm.rollout_correction.bypass_mode`` (verl's bypass mode) the rollout's own log-probs are the old
+policy's: step 2 has no ``compute_log_prob``.
 Run it with ``rlflow train grpo --config demo``.
 """
 
@@ -42,17 +44,24 @@ def grpo(config: RLConfig) -> dict:
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
     algorithm = config.algorithm.model_dump()
     bypass = config.algorithm.rollout_correction.bypass_mode
+
+    def generate(step, after=None):  # 1 for the prompts of `step`; once the futures `after` (an update) completed
+        return generate_sequences.submit(actor, run.next_prompts(), step, wait_for=after)
+
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
-                gen = generate_sequences.submit(actor, run.next_prompts(), step)                        # 1
+                gen = run.ahead.pop(step, None) or generate(step)                                       # 1
                 scores = compute_reward.submit(reward, gen, step)                                       # 2
                 old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]
                 ref_lp = compute_ref_log_prob.submit(ref, gen, step)
                 batch = compute_advantage.submit(gen, [scores, *old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
-                result = update_actor.submit(actor, batch, step).result()                               # 4
+                update = update_actor.submit(actor, batch, step)                                        # 4
+                if run.runs_ahead(step):  # the next step's generation starts as soon as this update ends
+                    run.ahead[step + 1] = generate(step + 1, after=[update])
+                result = update.result()
                 run.kl_ctrl_state = result.pop("kl_ctrl_state")
                 metrics.update(result)
     # fmt: on

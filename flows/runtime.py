@@ -138,6 +138,7 @@ class Run:
     faults: list[str] = field(default_factory=list)
     last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
     step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
+    ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
 
     @property
     def checkpoint_root(self) -> str:
@@ -207,7 +208,9 @@ class Run:
         metrics in order. A step's ``timing_s/step`` is its share of the block's wall time in proportion to its time
         in the workers, so every step of a block shows the block's orchestration overhead fraction."""
         block: list[dict] = []
-        start, self.step_started_at = time.perf_counter(), datetime.now(timezone.utc)
+        start = time.perf_counter()
+        if steps[0] not in self.ahead:  # else its first stage started during the step before: keep that one's start
+            self.step_started_at = datetime.now(timezone.utc)
         try:
             yield block
             wall = time.perf_counter() - start
@@ -267,6 +270,13 @@ class Run:
             status = "FINISHED"
         finally:
             self.close(status)
+
+    def runs_ahead(self, step: int) -> bool:
+        """Whether the next step's first stage may be submitted while ``step``'s last one runs, to start as soon as
+        that one ends (``wait_for``) instead of after the flow has heard of it and logged the step: not when a
+        validation or checkpoint is due after ``step`` (they need the workers, the data loader and the RNG as the
+        step leaves them) or ``step`` is the last."""
+        return step < self.config.trainer.total_steps and not (self.should_validate(step) or self.should_save(step))
 
     def should_validate(self, step: int) -> bool:
         freq = self.config.trainer.test_freq
@@ -399,6 +409,7 @@ class Run:
         if isinstance(error, CheckpointSaveError):
             raise error  # the store failed, not a worker (a rank may still be stuck in its write): no restart
         started = time.perf_counter()
+        self.ahead.clear()  # submitted after the failed stage: they never run (NotReady), and steps rewind
         lost = {name: ranks for name, group in self.distinct_groups().items() if (ranks := group.unresponsive_ranks())}
         failures = failed_stages(step, since=self.step_started_at) or [f"{type(error).__name__}: {error}"]
         if not lost:

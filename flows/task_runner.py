@@ -185,12 +185,17 @@ class _HandOffEngine(SyncTaskRunEngine):
     """Prefect's engine for a sync task run, taking the results of the ``HandOff``s in its parameters where it
     resolves futures (``take_hand_offs``): once the task run exists, Pending, before it turns Running."""
 
-    take_hand_offs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    take_hand_offs: Callable[[Any], Any] | None = None
 
     def _resolve_parameters(self):
         if self.parameters and self.take_hand_offs and not getattr(self, "_parameters_resolved", False):
             self.parameters = self.take_hand_offs(self.parameters)
         super()._resolve_parameters()
+
+    def _wait_for_dependencies(self):
+        if self.wait_for and self.take_hand_offs:
+            self.wait_for = self.take_hand_offs(self.wait_for)  # values, or the final states of failed upstreams
+        super()._wait_for_dependencies()
 
 
 class TaskHost:
@@ -244,7 +249,7 @@ class TaskHost:
         import ray
         from prefect.utilities.collections import visit_collection
 
-        hand_offs = self._register_hand_offs(parameters)
+        hand_offs = self._register_hand_offs([parameters, kwargs.get("wait_for")])
         resolved = dict(zip(upstream_refs, upstream_values))
         parameters = visit_collection(
             parameters,
@@ -255,6 +260,7 @@ class TaskHost:
         try:
             if task.isasync or task.isgenerator:
                 parameters, take_hand_offs = self._take_hand_offs(parameters, hand_offs), None
+                kwargs["wait_for"] = self._take_hand_offs(kwargs.get("wait_for"), hand_offs)
             else:
                 self._wait_for_upstream_starts(hand_offs)
                 task = self._handing_over_on_return(task, task_run_id, early)
@@ -322,26 +328,21 @@ class TaskHost:
             return state.data.result
         return state
 
-    def _register_hand_offs(self, parameters: dict[str, Any]) -> dict[Any, list]:
-        """The ``HandOff``s in ``parameters``, registered as waited for here: task run id -> [HandOff, its
-        ``_Waiters``], None instead when its task finished before this one came (its result is in Ray's store)."""
-        from prefect.utilities.collections import visit_collection
-
-        found: dict[Any, HandOff] = {}
-        visit_collection(
-            parameters, lambda expr: found.setdefault(expr.task_run_id, expr) if isinstance(expr, HandOff) else None
-        )
+    def _register_hand_offs(self, expr: Any) -> dict[Any, list]:
+        """The ``HandOff``s in ``expr`` (a task's parameters and ``wait_for``), registered as waited for here: task
+        run id -> [HandOff, its ``_Waiters`` (None: its task finished before this one came, its result is in Ray's
+        store), its result once taken (a 1-tuple)]."""
         hand_offs = {}
         with self._lock:
-            for task_run_id, hand_off in found.items():
+            for task_run_id, hand_off in _hand_offs_in(expr).items():
                 if task_run_id in self._finished and task_run_id not in self._waiters:
-                    hand_offs[task_run_id] = [hand_off, None]
+                    hand_offs[task_run_id] = [hand_off, None, None]
                     continue
                 waiter = self._waiters.setdefault(task_run_id, _Waiters())
                 waiter.count += 1
                 if task_run_id in self._running:
                     waiter.started.set()
-                hand_offs[task_run_id] = [hand_off, waiter]
+                hand_offs[task_run_id] = [hand_off, waiter, None]
         return hand_offs
 
     def _wait_for_upstream_starts(self, hand_offs: dict[Any, list]) -> None:
@@ -349,31 +350,32 @@ class TaskHost:
         engine starts its run meanwhile, not while the upstream's engine starts (they share the host's GIL)."""
         import ray
 
-        for hand_off, waiter in hand_offs.values():
+        for hand_off, waiter, _ in hand_offs.values():
             while waiter is not None and not waiter.started.wait(1.0):
                 if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:  # it never ran here: no signal comes
                     break
 
-    def _take_hand_offs(self, parameters: dict[str, Any], hand_offs: dict[Any, list]) -> dict[str, Any]:
-        """``parameters`` with each ``HandOff`` replaced by its task's result: waited for here, or read from Ray's
-        store when its task finished before this one came."""
+    def _take_hand_offs(self, expr: Any, hand_offs: dict[Any, list]) -> Any:
+        """``expr`` (a task's parameters or ``wait_for``) with each ``HandOff`` replaced by its task's result: waited
+        for here, or read from Ray's store when its task finished before this one came."""
         import ray
         from prefect.utilities.collections import visit_collection
 
-        values = {}
-        for task_run_id, (hand_off, waiter) in hand_offs.items():
-            if waiter is None:
-                values[task_run_id] = ray.get(hand_off.ref)
+        for task_run_id in _hand_offs_in(expr):
+            entry = hand_offs[task_run_id]
+            hand_off, waiter, taken = entry
+            if taken is not None:
                 continue
-            while not waiter.done.wait(1.0):  # an upstream that never ran here (its call failed in Ray) hands nothing
-                if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
-                    break
-            payload = waiter.payload if waiter.done.is_set() else None
-            self._release({task_run_id: hand_offs[task_run_id]})
-            values[task_run_id] = pickle.loads(payload) if payload is not None else ray.get(hand_off.ref)
+            if waiter is not None:
+                while not waiter.done.wait(1.0):  # an upstream that never ran here (its call failed in Ray) hands none
+                    if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
+                        break
+            payload = waiter.payload if waiter is not None and waiter.done.is_set() else None
+            self._release({task_run_id: entry})
+            entry[2] = (pickle.loads(payload) if payload is not None else ray.get(hand_off.ref),)
         return visit_collection(
-            parameters,
-            visit_fn=lambda expr: values[expr.task_run_id] if isinstance(expr, HandOff) else expr,
+            expr,
+            visit_fn=lambda e: hand_offs[e.task_run_id][2][0] if isinstance(e, HandOff) else e,
             return_data=True,
         )
 
@@ -458,6 +460,15 @@ def _run_task_sync(task, task_run_id, parameters, context, take_hand_offs, wait_
                 engine.call_task_fn(txn)
             raise_if_flow_run_suspension_requested()
     return engine.state
+
+
+def _hand_offs_in(expr: Any) -> dict[Any, HandOff]:
+    """The ``HandOff``s in ``expr``, by task run id."""
+    from prefect.utilities.collections import visit_collection
+
+    found: dict[Any, HandOff] = {}
+    visit_collection(expr, lambda e: found.setdefault(e.task_run_id, e) if isinstance(e, HandOff) else None)
+    return found
 
 
 class HostFuture(PrefectRayFuture):
@@ -593,6 +604,10 @@ class WarmRayTaskRunner(RayTaskRunner):
         for k, inputs in task_inputs.items():  # the run graph's edges (point 5): the upstream futures of each parameter
             dependencies.setdefault(k, set()).update(inputs)
         parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
+        if wait_for:  # a future of a task of this host waited for there as a HandOff, as in the parameters
+            wait_for = list(wait_for)
+            dependencies.setdefault("wait_for", set()).update(collect_task_run_inputs_sync(wait_for))
+            wait_for = [HandOff(f.task_run_id, f.wrapped_future) if self._hosted(f) else f for f in wait_for]
         object_ref = (
             self.host()
             .run.options(name=task.name)
@@ -623,12 +638,16 @@ class WarmRayTaskRunner(RayTaskRunner):
         def exchange(expr: Any) -> Any:
             if not isinstance(expr, PrefectRayFuture):
                 return expr
-            if getattr(expr, "host_token", None) == self._host_token:
+            if self._hosted(expr):
                 return HandOff(expr.task_run_id, expr.wrapped_future)
             upstream_ray_obj_refs.append(expr.wrapped_future)
             return expr.wrapped_future
 
         return visit_collection(parameters, visit_fn=exchange, return_data=True), upstream_ray_obj_refs
+
+    def _hosted(self, future: Any) -> bool:
+        """Whether ``future`` is of a task run in this runner's host."""
+        return getattr(future, "host_token", None) == self._host_token
 
     def _reference(self, what: str, serialized: dict) -> tuple[str, list]:
         """(key, [ObjectRef]) of a serialized context (``what``: settings or flow run): put in the object store once

@@ -115,6 +115,12 @@ def test_grpo_flow_end_to_end(env):
     assert "compute_log_prob" not in per_stage  # the demo preset's bypass mode: the rollout's log-probs are old
     assert per_stage.get("save_checkpoint") == 2 and per_stage.get("validate") == 3  # steps 2, 3 (+ step 0)
     assert all(t.state.is_completed() for t in task_runs)
+    # step 2's generation was submitted during step 1, waiting for its update (no validation or checkpoint between);
+    # step 3's after step 2's checkpoint
+    ids = {t.name: str(t.id) for t in task_runs}
+    waits = {t.name: {str(i.id) for i in t.task_inputs.get("wait_for", [])} for t in task_runs}
+    assert waits["generate_sequences-step-2"] == {ids["update_actor-step-1"]}
+    assert waits["generate_sequences-step-3"] == waits["generate_sequences-step-1"] == set()
     keys = {a.key for a in artifacts}
     assert {f"{name}-checkpoints", f"{name}-progress", f"{name}-mlflow", f"{name}-result"} <= keys
     assert next(a for a in artifacts if a.key == f"{name}-progress").data == 100.0  # every step's update arrived

@@ -265,10 +265,22 @@ def after_a_failure(path: str) -> list[str]:
     return [failed.state.type.value, downstream.state.type.value]
 
 
+@flow(name="warm-runner-waited-for-failed", persist_result=False)
+def waiting_for_a_failure(path: str) -> list[str]:
+    failed = divide.submit(1)
+    downstream = record.submit(2.0, path, wait_for=[failed])
+    downstream.wait()
+    failed.wait()
+    return [failed.state.type.value, downstream.state.type.value, downstream.state.name]
+
+
 def test_a_task_whose_upstream_failed_does_not_run(services, ray_cluster, tmp_path):
     path = tmp_path / "ran"
     upstream, downstream = after_a_failure.with_options(task_runner=WarmRayTaskRunner())(str(path))
     assert upstream == "FAILED" and downstream != "COMPLETED"
+    assert not path.exists()
+    upstream, downstream, name = waiting_for_a_failure.with_options(task_runner=WarmRayTaskRunner())(str(path))
+    assert (upstream, downstream, name) == ("FAILED", "PENDING", "NotReady")  # as Prefect's own runners leave it
     assert not path.exists()
 
 
@@ -320,11 +332,14 @@ def after(text: str) -> str:
 
 
 @flow(name="warm-runner-pending-while-upstream-runs", persist_result=False)
-def hold_then_after(path: str, tag: str) -> str:
+def hold_then_after(path: str, tag: str, edge: str) -> str:
     from prefect import tags
 
     with tags(tag):
-        return after.submit(hold.submit(path)).result()
+        upstream = hold.submit(path)
+        if edge == "parameter":
+            return after.submit(upstream).result()
+        return after.submit("waited", wait_for=[upstream]).result()  # as GRPO's next generation waits for an update
 
 
 def _task_run_states(tag: str) -> dict[str, str]:
@@ -339,16 +354,17 @@ def _task_run_states(tag: str) -> dict[str, str]:
     return {run.name.split("-")[0]: run.state_type.value for run in asyncio.run(read())}
 
 
-def test_a_task_waits_for_its_upstream_as_a_pending_task_run(services, ray_cluster, tmp_path):
-    """As with Prefect's own runners, a task whose upstream still runs is a Pending task run in the API (its engine
-    created it meanwhile, under Prefect's default name until its parameters are resolved), and turns Running and
-    Completed once the upstream's result is there."""
+@pytest.mark.parametrize("edge", ["parameter", "wait_for"])
+def test_a_task_waits_for_its_upstream_as_a_pending_task_run(services, ray_cluster, tmp_path, edge):
+    """As with Prefect's own runners, a task whose upstream still runs (its future in the task's parameters or in its
+    ``wait_for``) is a Pending task run in the API (its engine created it meanwhile, under Prefect's default name
+    until its parameters are resolved), and turns Running and Completed once the upstream has ended."""
     from concurrent.futures import ThreadPoolExecutor
     from uuid import uuid4
 
     path, tag = tmp_path / "go", uuid4().hex
     with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(hold_then_after.with_options(task_runner=WarmRayTaskRunner()), str(path), tag)
+        result = pool.submit(hold_then_after.with_options(task_runner=WarmRayTaskRunner()), str(path), tag, edge)
         states: dict[str, str] = {}
         for _ in range(240):
             states = _task_run_states(tag)
@@ -356,7 +372,7 @@ def test_a_task_waits_for_its_upstream_as_a_pending_task_run(services, ray_clust
                 break
             time.sleep(0.25)
         path.write_text("sum")
-        assert result.result(timeout=120) == "SUM"
+        assert result.result(timeout=120) == ("SUM" if edge == "parameter" else "WAITED")
     assert states == {"hold": "RUNNING", "after": "PENDING"}
     for _ in range(120):
         if _task_run_states(tag) == {"hold": "COMPLETED", "after": "COMPLETED"}:
