@@ -45,7 +45,7 @@ wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self
    the upstream's completion hooks, if it has any, run beside it). The waiting itself happens where Prefect's engine
    waits for upstream futures, in ``_resolve_parameters`` (``_HandOffEngine``): the task run is created and Pending
    while its upstream runs, as with Prefect's own runners, so only the engine's steps from Pending to Running come
-   between the upstream's end and this task's start (~5 ms less per GRPO step here). It starts once the upstream's
+   between the upstream's end and this task's start (a few ms less per GRPO step here). It starts once the upstream's
    function has started, not before: the host's tasks share one GIL, and five engines starting beside the step's
    first task would delay it.
 
