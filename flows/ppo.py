@@ -6,8 +6,9 @@ Each step, for a batch of prompts:
      log-probs, the reference's, and the critic's values          compute_ref_log_prob / compute_values
   3. KL-shaped rewards (optional) and GAE advantages + returns   compute_advantage   (pure function)
   4. in parallel: PPO-clip policy update, clipped value update   update_actor / update_critic
-With ``algorithm.rollout_correction.bypass_mode`` the rollout's own log-probs are the old policy's (no
-``compute_log_prob``).
+Between two steps with no validation or checkpoint, step 1 of the next step is submitted while step 4 runs, waiting
+for both updates (``wait_for``), as in ``flows/grpo.py``. With ``algorithm.rollout_correction.bypass_mode`` the
+rollout's own log-probs are the old policy's (no ``compute_log_prob``).
 Run it with ``rlflow train ppo --config demo algorithm.adv_estimator=gae``.
 """
 
@@ -49,18 +50,25 @@ def ppo(config: RLConfig) -> dict:
     actor, ref, critic, reward = (run.groups[k] for k in ("actor", "ref", "critic", "reward"))
     algorithm = config.algorithm.model_dump()
     bypass = config.algorithm.rollout_correction.bypass_mode
+
+    def generate(step, after=None):  # 1 for the prompts of `step`; once the futures `after` (the updates) completed
+        return generate_sequences.submit(actor, run.next_prompts(), step, wait_for=after)
+
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
-                gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
+                gen = run.ahead.pop(step, None) or generate(step)                                   # 1
                 old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]                 # 2
                 parts = [compute_reward.submit(reward, gen, step), *old,
                          compute_ref_log_prob.submit(ref, gen, step), compute_values.submit(critic, gen, step)]
                 batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state, step)    # 3
                 critic_result = update_critic.submit(critic, batch, step)                           # 4
-                result = update_actor.submit(actor, batch, step).result()
+                update = update_actor.submit(actor, batch, step)
+                if run.runs_ahead(step):  # the next step's generation starts as soon as both updates end
+                    run.ahead[step + 1] = generate(step + 1, after=[critic_result, update])
+                result = update.result()
                 run.kl_ctrl_state = result.pop("kl_ctrl_state")
                 metrics.update(critic_result.result())
                 metrics.update(result)

@@ -424,6 +424,12 @@ def test_other_algorithms_run_end_to_end(env, algorithm):
     assert state.is_completed()
     expected = {"sft": "sft/loss", "ppo": "critic/vf_loss", "online_dpo": "critic/score/mean"}[algorithm]
     assert expected in metrics
+    if algorithm == "ppo":  # step 2's generation was submitted during step 1's updates, waiting for both
+        _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
+        ids = {t.name: str(t.id) for t in task_runs}
+        waits = {t.name: {str(i.id) for i in t.task_inputs.get("wait_for", [])} for t in task_runs}
+        assert waits["generate_sequences-step-2"] == {ids["update_actor-step-1"], ids["update_critic-step-1"]}
+        assert all(t.state.is_completed() for t in task_runs)
     client, run = mlflow_run(name)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")] == [1, 2]
 
