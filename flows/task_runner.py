@@ -348,12 +348,9 @@ class TaskHost:
     def _wait_for_upstream_starts(self, hand_offs: dict[Any, list]) -> None:
         """Wait until the function of every upstream task run here has started (or its task ended): this task's
         engine starts its run meanwhile, not while the upstream's engine starts (they share the host's GIL)."""
-        import ray
-
         for hand_off, waiter, _ in hand_offs.values():
-            while waiter is not None and not waiter.started.wait(1.0):
-                if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:  # it never ran here: no signal comes
-                    break
+            if waiter is not None:
+                _wait_until(waiter.started, hand_off.ref)
 
     def _take_hand_offs(self, expr: Any, hand_offs: dict[Any, list]) -> Any:
         """``expr`` (a task's parameters or ``wait_for``) with each ``HandOff`` replaced by its task's result: waited
@@ -361,15 +358,15 @@ class TaskHost:
         import ray
         from prefect.utilities.collections import visit_collection
 
+        if not hand_offs:
+            return expr
         for task_run_id in _hand_offs_in(expr):
             entry = hand_offs[task_run_id]
             hand_off, waiter, taken = entry
             if taken is not None:
                 continue
             if waiter is not None:
-                while not waiter.done.wait(1.0):  # an upstream that never ran here (its call failed in Ray) hands none
-                    if ray.wait([hand_off.ref], timeout=0, fetch_local=False)[0]:
-                        break
+                _wait_until(waiter.done, hand_off.ref)
             payload = waiter.payload if waiter is not None and waiter.done.is_set() else None
             self._release({task_run_id: entry})
             entry[2] = (pickle.loads(payload) if payload is not None else ray.get(hand_off.ref),)
@@ -460,6 +457,16 @@ def _run_task_sync(task, task_run_id, parameters, context, take_hand_offs, wait_
                 engine.call_task_fn(txn)
             raise_if_flow_run_suspension_requested()
     return engine.state
+
+
+def _wait_until(event: threading.Event, ref) -> None:
+    """Wait for ``event`` of an upstream task run in the host, or until its Ray result ``ref`` exists: an upstream
+    whose call failed in Ray before it ran here never sets it."""
+    import ray
+
+    while not event.wait(1.0):
+        if ray.wait([ref], timeout=0, fetch_local=False)[0]:
+            return
 
 
 def _hand_offs_in(expr: Any) -> dict[Any, HandOff]:
