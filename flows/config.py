@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlworkers.workers.config import (
     ActorConfig,
@@ -45,16 +45,36 @@ class TaskConfig(_Frozen):
 
 
 class DataConfig(_Frozen):
-    train_files: list[str] | None = Field(None, description="parquet/jsonl files; unset = the built-in task")
-    val_files: list[str] | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    """verl's ``data`` section where the names overlap: ``train_files``/``val_files`` (a path or a list),
+    ``prompt_key``, ``max_prompt_length``, ``truncation``, ``apply_chat_template_kwargs``."""
+
+    train_files: list[str] | None = Field(
+        None, description="parquet/jsonl file or list of files; unset = the built-in task"
+    )
+    val_files: list[str] | None = Field(None, description="file or list of files; unset = data.train_files")
+    prompt_key: str = Field("prompt", description="a string, or chat messages rendered with the chat template")
+    answer_key: str = Field(
+        "answer",
+        description="ground-truth column; rows without it use 'ground_truth', then verl's reward_model.ground_truth",
+    )
     response_key: str = Field("response", description="SFT target column")
+    messages_key: str = Field("messages", description="SFT: a column of whole conversations (loss on assistant turns)")
+    apply_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra arguments of tokenizer.apply_chat_template (e.g. enable_thinking)"
+    )
     train_batch_size: int = Field(32, gt=0, description="prompts per step")
     val_batch_size: int | None = Field(None, gt=0, description="validation prompts (unset = all)")
-    max_prompt_length: int = Field(64, gt=0)
+    max_prompt_length: int = Field(64, gt=0, description="in tokens, chat template included")
+    truncation: Literal["error", "left", "right"] = Field(
+        "error", description="a longer prompt: refuse the dataset (error), keep its end (left) or its start (right)"
+    )
     shuffle: bool = True
     task: TaskConfig = TaskConfig()
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value):  # verl takes a single path as well as a list
+        return [value] if isinstance(value, str) else value
 
 
 class KLControlConfig(_Frozen):
@@ -165,6 +185,15 @@ class TrainerConfig(_Frozen):
         return self
 
 
+class CustomRewardFunctionConfig(_Frozen):
+    """verl's ``custom_reward_function``: ``compute_score`` (or ``name``) from the file at ``path``, with verl's
+    signature ``(data_source, solution_str, ground_truth, extra_info=None)`` or rlflow's batch one. It sets
+    ``reward.reward_fn`` to ``<path>:<name>`` (a relative path is taken from the directory the config is read in)."""
+
+    path: str | None = None
+    name: str = "compute_score"
+
+
 class RLConfig(_Frozen):
     """One training run: model, data, algorithm, workers, trainer."""
 
@@ -175,7 +204,25 @@ class RLConfig(_Frozen):
     rollout: RolloutConfig = RolloutConfig()
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
+    custom_reward_function: CustomRewardFunctionConfig = CustomRewardFunctionConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom_reward_function(cls, data):
+        custom = data.get("custom_reward_function") if isinstance(data, dict) else None
+        if not isinstance(custom, dict) or not custom.get("path"):
+            return data
+        path = custom["path"] if "://" in custom["path"] else os.path.abspath(os.path.expanduser(custom["path"]))
+        spec = f"{path}:{custom.get('name') or 'compute_score'}"
+        reward = data.get("reward") or {}
+        reward = reward.model_dump() if isinstance(reward, BaseModel) else dict(reward)
+        if reward.get("reward_fn") not in (None, "auto", spec):
+            raise ValueError(
+                f"custom_reward_function.path ({custom['path']}) and reward.reward_fn ({reward['reward_fn']}) both "
+                "name a reward function; keep one of them"
+            )
+        return {**data, "custom_reward_function": {**custom, "path": path}, "reward": {**reward, "reward_fn": spec}}
 
     @model_validator(mode="after")
     def _check_model_reference(self):

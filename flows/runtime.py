@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 
 STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
+CLIPPED_WARNING_RATIO = 0.5  # share of responses cut by rollout.response_length above which a run warns
 
 
 class FaultBudgetExhausted(RuntimeError):
@@ -99,9 +100,13 @@ def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
     if split != "train" and not files and config.data.train_files:
         logger.warning("data.val_files is not set: validating on data.train_files")
         files = config.data.train_files
-    limit = {"tokenizer": tokenizer, "max_prompt_length": config.data.max_prompt_length} if tokenizer else {}
+    data = config.data
+    limit = {"tokenizer": tokenizer, "max_prompt_length": data.max_prompt_length} if tokenizer else {}
+    formats = {"truncation": data.truncation, "chat_template_kwargs": data.apply_chat_template_kwargs}
     if files:
-        return load_prompt_dataset(files, prompt_key=config.data.prompt_key, **limit)
+        return load_prompt_dataset(
+            files, prompt_key=data.prompt_key, conversation_key=data.messages_key, **limit, **formats
+        )
     task_cfg = config.data.task
     data_dir = f"{config.trainer.runs_dir.rstrip('/')}/_data/{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}"
     paths = ensure_addition_dataset(
@@ -111,7 +116,7 @@ def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
         max_digits=task_cfg.max_digits,
         seed=task_cfg.seed,
     )
-    return load_prompt_dataset(paths[split], prompt_key="prompt", **limit)
+    return load_prompt_dataset(paths[split], prompt_key="prompt", **limit, **formats)
 
 
 @dataclass
@@ -139,6 +144,7 @@ class Run:
     last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
     step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
     ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
+    warned_clipped: bool = False  # a training step's responses were mostly cut by rollout.response_length (said once)
 
     @property
     def checkpoint_root(self) -> str:
@@ -174,7 +180,9 @@ class Run:
         return rows
 
     def next_prompts(self):
-        rows = self.next_rows()
+        return self.prompt_batch(self.next_rows())
+
+    def prompt_batch(self, rows: list[dict]):
         data = self.config.data
         return prompt_batch(
             rows,
@@ -182,14 +190,19 @@ class Run:
             prompt_key=data.prompt_key,
             answer_key=data.answer_key,
             max_prompt_length=data.max_prompt_length,
+            truncation=data.truncation,
+            chat_template_kwargs=data.apply_chat_template_kwargs,
         )
 
     def next_sft_batch(self):
+        data = self.config.data
         return sft_batch(
             self.next_rows(),
             self.tokenizer,
-            prompt_key=self.config.data.prompt_key,
-            response_key=self.config.data.response_key,
+            prompt_key=data.prompt_key,
+            response_key=data.response_key,
+            conversation_key=data.messages_key,
+            chat_template_kwargs=data.apply_chat_template_kwargs,
         )
 
     # ------------------------------------------------------------------------------------------ per step
@@ -229,6 +242,8 @@ class Run:
         if "response_length/mean" in metrics:
             tokens = metrics["response_length/mean"] * self.config.data.train_batch_size * self.config.rollout.n
             metrics["perf/throughput"] = tokens / wall
+        if "response_length/clip_ratio" in metrics and not self.warned_clipped:
+            self.warned_clipped = self.warn_if_clipped(f"step {step}", metrics["response_length/clip_ratio"])
         self.tracker.log_metrics(metrics, step, wait=False)  # sent in order by MLflow's thread; close() waits
         self.last_metrics = metrics
         if self.progress:
@@ -236,6 +251,20 @@ class Run:
         if self.terminal:
             self.terminal.update(step, metrics)
         get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
+
+    def warn_if_clipped(self, where: str, clip_ratio: float) -> bool:
+        """Say so (WARNING) when most responses were cut by ``rollout.response_length`` before they ended: their
+        answers are likely missing, and the reward curve stays flat for a reason no metric chart shows at once."""
+        if clip_ratio <= CLIPPED_WARNING_RATIO:
+            return False
+        get_run_logger().warning(
+            "%s: %.0f%% of the responses hit rollout.response_length=%d without ending (EOS); their answers may be "
+            "cut off. Fix: raise rollout.response_length, or ask for shorter answers",
+            where,
+            100 * clip_ratio,
+            self.config.rollout.response_length,
+        )
+        return True
 
     def end_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
         """Log the step, then validate and checkpoint when they are due."""
@@ -288,16 +317,20 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
-        rows = self.val_rows[: self.config.data.val_batch_size or len(self.val_rows)]
-        prompts = prompt_batch(
-            rows, self.tokenizer, prompt_key=self.config.data.prompt_key, answer_key=self.config.data.answer_key
-        )
+        prompts = self.prompt_batch(self.val_rows[: self.config.data.val_batch_size or len(self.val_rows)])
         out = validate.submit(self.groups["actor"], self.groups["reward"], prompts, step).result()
         scores = out.non_tensor_batch["score"].astype(float)
         metrics = {"val/score/mean": float(np.mean(scores)), "timing_s/validate": out.meta_info["timing_s/validate"]}
         for source in sorted(set(out.non_tensor_batch["data_source"])):
             mask = out.non_tensor_batch["data_source"] == source
             metrics[f"val/{source or 'default'}/score/mean"] = float(np.mean(scores[mask]))
+        response_mask = out.batch["response_mask"]
+        metrics["val/response_length/clip_ratio"] = float(
+            (response_mask.sum(-1) == response_mask.shape[-1]).float().mean()
+        )
+        for key in sorted(k for k in out.non_tensor_batch if k.startswith("reward_extra/")):
+            metrics[f"val/{key}/mean"] = float(np.mean(out.non_tensor_batch[key].astype(float)))
+        self.warn_if_clipped(f"validation at step {step}", metrics["val/response_length/clip_ratio"])
         responses = decode_responses(out, self.tokenizer)
         columns = zip(out.non_tensor_batch["raw_prompt"], responses, out.non_tensor_batch["ground_truth"], scores)
         samples = [

@@ -1,8 +1,10 @@
 """Rows -> DataProto batches: left-padded prompts for rollout, prompt+response for SFT.
 
 Prompt batches carry ``input_ids``, ``attention_mask``, ``position_ids`` (``[B, P]``, left-padded, so generation
-continues right after the prompt) and the non-tensor columns ``raw_prompt``, ``ground_truth``, ``data_source``
-and ``uid`` (one uid per prompt, so GRPO can group the samples of a prompt).
+continues right after the prompt), every column of the rows as a non-tensor column (verl's ``reward_model`` and
+``extra_info`` dicts, ``ability``, the user's own), and ``raw_prompt`` (the prompt text the model saw: chat
+messages rendered with the chat template, see ``rlworkers.data.chat``), ``ground_truth`` (``ground_truth_of``),
+``data_source`` and ``uid`` (one uid per prompt, so GRPO can group the samples of a prompt).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Sequence
 
 import torch
 
+from rlworkers.data.chat import conversation_tokens, prompt_token_ids
 from rlworkers.protocol import DataProto
+
+INTERNAL_COLUMNS = ("raw_prompt", "ground_truth", "data_source", "uid")  # what prompt_batch writes itself
 
 
 def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -45,9 +50,9 @@ class TokenCache:
         self.cached_tokens = 0
         self._ids: dict[tuple[bool, str], array] = {}
 
-    def __call__(self, texts: Sequence[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
-        if isinstance(texts, str):  # one text: the tokenizer's own answer (ids, not a list of them)
-            return self.tokenizer(texts, add_special_tokens=add_special_tokens)
+    def __call__(self, texts: Sequence[str], add_special_tokens: bool = True, **kwargs) -> dict[str, list[list[int]]]:
+        if isinstance(texts, str) or kwargs:  # one text, or more than ids asked for: the tokenizer's own answer
+            return self.tokenizer(texts, add_special_tokens=add_special_tokens, **kwargs)
         missing = [text for text in dict.fromkeys(texts) if (add_special_tokens, text) not in self._ids]
         fresh = {}
         if missing:
@@ -69,6 +74,34 @@ class TokenCache:
         return getattr(self.tokenizer, name)
 
 
+def ground_truth_of(row: dict, answer_key: str = "answer"):
+    """A row's ground truth: its ``answer_key`` column, else its ``ground_truth`` column, else verl's
+    ``reward_model["ground_truth"]``; None when it has none (a rule reward then refuses the row by number, rather
+    than scoring against an empty answer). Numbers become strings, as the rule rewards compare text."""
+    for value in (row.get(answer_key), row.get("ground_truth")):
+        if value is not None:
+            break
+    else:
+        reward_model = row.get("reward_model")
+        value = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    return str(value) if isinstance(value, (int, float)) else value
+
+
+def fit_prompt(ids: list[int], max_prompt_length: int | None, truncation: str, row: int) -> list[int]:
+    """``ids`` cut to ``max_prompt_length`` tokens by ``truncation`` ("left" keeps the end, "right" the start; verl's
+    ``data.truncation``), or a ValueError naming the batch row for "error"."""
+    if max_prompt_length is None or len(ids) <= max_prompt_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_prompt_length:]
+    if truncation == "right":
+        return ids[:max_prompt_length]
+    raise ValueError(
+        f"prompt of batch row {row} has {len(ids)} tokens, more than data.max_prompt_length={max_prompt_length}; "
+        "raise it, set data.truncation=left or right, or filter the dataset"
+    )
+
+
 def prompt_batch(
     rows: Sequence[dict],
     tokenizer,
@@ -76,23 +109,21 @@ def prompt_batch(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     max_prompt_length: int | None = None,
+    truncation: str = "error",
+    chat_template_kwargs: dict | None = None,
 ) -> DataProto:
-    """Tokenise prompts (left-padded) and keep the columns rewards need."""
-    encoded = tokenizer([row[prompt_key] for row in rows])["input_ids"]  # one call per batch, not per row
-    if max_prompt_length is not None:
-        too_long = [i for i, e in enumerate(encoded) if len(e) > max_prompt_length]
-        if too_long:
-            raise ValueError(
-                f"prompt of batch row {too_long[0]} has {len(encoded[too_long[0]])} tokens, more than "
-                f"data.max_prompt_length={max_prompt_length}; raise it or filter the dataset"
-            )
+    """Tokenise prompts (chat messages through the chat template; left-padded) and carry every column of the rows."""
+    texts, encoded = prompt_token_ids([row[prompt_key] for row in rows], tokenizer, chat_template_kwargs)
+    encoded = [fit_prompt(ids, max_prompt_length, truncation, i) for i, ids in enumerate(encoded)]
     input_ids, attention_mask = _left_pad(encoded, tokenizer.pad_token_id)
-    non_tensors = {
-        "raw_prompt": [row[prompt_key] for row in rows],
-        "ground_truth": [str(row.get(answer_key, "")) for row in rows],
-        "data_source": [row.get("data_source", "") for row in rows],
-        "uid": [str(uuid.uuid4()) for _ in rows],
-    }
+    columns = {key for row in rows for key in row if key not in INTERNAL_COLUMNS}
+    non_tensors = {key: [row.get(key) for row in rows] for key in sorted(columns)}
+    non_tensors.update(
+        raw_prompt=texts,
+        ground_truth=[ground_truth_of(row, answer_key) for row in rows],
+        data_source=[row.get("data_source") or "" for row in rows],
+        uid=[str(uuid.uuid4()) for _ in rows],
+    )
     return DataProto.from_dict(
         {
             "input_ids": input_ids,
@@ -104,16 +135,32 @@ def prompt_batch(
 
 
 def sft_batch(
-    rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt", response_key: str = "response"
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    conversation_key: str = "messages",
+    chat_template_kwargs: dict | None = None,
 ) -> DataProto:
-    """``prompt + response + eos``, left-padded, with ``loss_mask`` = 1 on the response and eos tokens."""
-    prompts = tokenizer([row[prompt_key] for row in rows])["input_ids"]  # one call per batch, not per row
-    responses = tokenizer([str(row[response_key]) for row in rows], add_special_tokens=False)["input_ids"]
+    """SFT sequences, left-padded, with ``loss_mask`` = 1 on the tokens to learn. A row is either a conversation
+    (``conversation_key``: chat messages; the loss is on the assistant turns, see ``conversation_tokens``) or a
+    prompt (a string, or chat messages rendered with the generation prompt) and its ``response``, followed by the
+    tokenizer's eos (the loss is on the response and that eos)."""
+    pairs = [row for row in rows if row.get(conversation_key) is None]
+    _, prompts = prompt_token_ids([row[prompt_key] for row in pairs], tokenizer, chat_template_kwargs)
+    responses = tokenizer([str(row[response_key]) for row in pairs], add_special_tokens=False)["input_ids"]
+    paired = iter(zip(prompts, responses))
     sequences, loss_masks = [], []
-    for prompt, response in zip(prompts, responses):
-        response = [*response, tokenizer.eos_token_id]
-        sequences.append(prompt + response)
-        loss_masks.append([0] * len(prompt) + [1] * len(response))
+    for row in rows:
+        if row.get(conversation_key) is not None:
+            ids, mask = conversation_tokens(row[conversation_key], tokenizer, chat_template_kwargs)
+        else:
+            prompt, response = next(paired)
+            response = [*response, tokenizer.eos_token_id]
+            ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
+        sequences.append(ids)
+        loss_masks.append(mask)
     input_ids, attention_mask = _left_pad(sequences, tokenizer.pad_token_id)
     loss_mask, _ = _left_pad(loss_masks, 0)
     return DataProto.from_dict(

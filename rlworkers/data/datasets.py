@@ -1,8 +1,11 @@
 """Prompt datasets (parquet or jsonl, local or any fsspec URL) and a resumable, seeded batch loader.
 
-``load_prompt_dataset(path)`` returns the rows as a list of dicts and checks every row before training
-starts: a row without a non-empty string prompt, or without a required column, raises ``ValueError`` naming the
-file, the place (``line N``, 1-based, for jsonl; ``row N (0-based)`` for parquet) and the fix.
+``load_prompt_dataset(path)`` returns the rows as a list of dicts, every column as the file has it (verl's layout
+loads unchanged: ``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model: {style, ground_truth}``,
+``extra_info`` structs), and checks every row before training starts: a row whose prompt is neither a non-empty
+string nor a list of chat messages (``rlworkers.data.chat``), or without a required column, raises ``ValueError``
+naming the file, the place (``line N``, 1-based, for jsonl; ``row N (0-based)`` for parquet) and the fix. With
+``conversation_key`` (SFT), a row may hold a whole conversation in that column instead of a prompt.
 
 ``PromptDataLoader(rows, batch_size=..., seed=...)`` yields batches (lists of rows). Each epoch's order is a
 permutation drawn from ``(seed, epoch)`` alone, so ``state_dict()`` (epoch, position, seed) is enough for a
@@ -21,10 +24,13 @@ import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 
+from rlworkers.data.chat import check_messages, is_chat, prompt_token_ids
+
 logger = logging.getLogger(__name__)
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+TRUNCATION = ("error", "left", "right")  # verl's data.truncation (its "middle" is not offered)
 
 
 def load_prompt_dataset(
@@ -35,25 +41,34 @@ def load_prompt_dataset(
     max_rows: int | None = None,
     tokenizer=None,
     max_prompt_length: int | None = None,
+    truncation: str = "error",
+    chat_template_kwargs: dict | None = None,
+    conversation_key: str | None = None,
 ) -> list[dict]:
     """Read prompt rows from parquet or jsonl files (chosen by extension); several files are concatenated.
-    With ``tokenizer`` and ``max_prompt_length``, every prompt is also checked to fit (before any training starts,
-    rather than failing at the batch that happens to hold it).
+    With ``tokenizer`` and ``max_prompt_length``, every prompt (chat messages rendered with the chat template) is also
+    checked to fit, before any training starts rather than at the batch that happens to hold it: with
+    ``truncation="error"`` (verl's default) a longer one raises; with ``"left"``/``"right"`` (cut when batched, see
+    ``rlworkers.data.batching.prompt_batch``) their number is logged as a warning.
 
     Raises:
-        ValueError: unknown extension, unreadable JSON line, missing column, a prompt that is not a non-empty
-            string, or one longer than ``max_prompt_length`` tokens; the message names the file and the line/row.
+        ValueError: unknown extension, unreadable JSON line, missing column, a prompt that is neither a non-empty
+            string nor a list of chat messages, chat messages and a tokenizer without a chat template, or a prompt
+            longer than ``max_prompt_length`` tokens; the message names the file and the line/row.
         FileNotFoundError: a file does not exist.
     """
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     if not paths:
         raise ValueError("load_prompt_dataset got an empty list of paths; pass at least one parquet/jsonl file")
+    if truncation not in TRUNCATION:
+        raise ValueError(f"truncation={truncation!r}: use one of {TRUNCATION}")
     columns = (prompt_key, *[c for c in required_columns if c != prompt_key])
     rows: list[dict] = []
     for one in paths:
-        found, where = _read_file(os.fspath(one), columns)
+        found, where = _read_file(os.fspath(one), columns, conversation_key)
         if tokenizer is not None and max_prompt_length is not None:
-            _check_prompt_lengths([row[prompt_key] for row in found], where, tokenizer, max_prompt_length)
+            prompts = [(row[prompt_key], at) for row, at in zip(found, where) if row.get(prompt_key) is not None]
+            _check_prompt_lengths(prompts, tokenizer, max_prompt_length, truncation, chat_template_kwargs)
         rows.extend(found)
     if not rows:
         raise ValueError(f"no rows in {[os.fspath(p) for p in paths]}; the dataset must hold at least one prompt")
@@ -61,34 +76,54 @@ def load_prompt_dataset(
     return rows[:max_rows] if max_rows is not None else rows
 
 
-def _check_prompt_lengths(prompts: list[str], where: list[str], tokenizer, max_prompt_length: int) -> None:
-    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []
+def _check_prompt_lengths(
+    prompts: list[tuple], tokenizer, max_prompt_length: int, truncation: str, chat_template_kwargs: dict | None
+) -> None:
+    """``prompts``: (prompt, where) pairs of one file."""
+    _, ids = prompt_token_ids([prompt for prompt, _ in prompts], tokenizer, chat_template_kwargs)
+    lengths = [len(one) for one in ids]
     too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
-    if too_long:
-        first = too_long[0]
-        raise ValueError(
-            f"{where[first]}: the prompt has {lengths[first]} tokens, more than data.max_prompt_length="
-            f"{max_prompt_length} ({len(too_long)} row(s) of this file are too long, the longest has "
-            f"{max(lengths)} tokens). Fix: raise data.max_prompt_length, or shorten or drop those rows"
+    if not too_long:
+        return
+    first = too_long[0]
+    where = prompts[first][1]
+    if truncation != "error":
+        logger.warning(
+            "%s and %d other row(s) of this file have prompts longer than data.max_prompt_length=%d tokens (the "
+            "longest %d): data.truncation=%s cuts them to fit",
+            where,
+            len(too_long) - 1,
+            max_prompt_length,
+            max(lengths),
+            truncation,
         )
+        return
+    raise ValueError(
+        f"{where}: the prompt has {lengths[first]} tokens, more than data.max_prompt_length="
+        f"{max_prompt_length} ({len(too_long)} row(s) of this file are too long, the longest has "
+        f"{max(lengths)} tokens). Fix: raise data.max_prompt_length, set data.truncation=left (keep each prompt's "
+        "end) or right, or shorten or drop those rows"
+    )
 
 
-def _read_file(path: str, columns: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+def _read_file(path: str, columns: tuple[str, ...], conversation_key: str | None) -> tuple[list[dict], list[str]]:
     """The rows of one file and, for each, where it is (``<file> line N`` / ``<file> row N``)."""
     lowered = path.lower()
     if lowered.endswith(PARQUET_SUFFIXES):
-        return _read_parquet(path, columns)
+        return _read_parquet(path, columns, conversation_key)
     if lowered.endswith(JSONL_SUFFIXES):
-        return _read_jsonl(path, columns)
+        return _read_jsonl(path, columns, conversation_key)
     raise ValueError(
         f"{path}: unknown dataset format; use a file ending in one of {list(PARQUET_SUFFIXES + JSONL_SUFFIXES)}"
     )
 
 
-def _read_parquet(path: str, columns: tuple[str, ...]) -> list[dict]:
+def _read_parquet(path: str, columns: tuple[str, ...], conversation_key: str | None) -> tuple[list[dict], list[str]]:
     with fsspec.open(path, "rb") as f:
         table = pq.read_table(f)
     missing = [c for c in columns if c not in table.column_names]
+    if conversation_key in table.column_names:  # SFT conversations need no prompt column
+        missing = [c for c in missing if c != columns[0]]
     if missing:
         raise ValueError(
             f"{path}: missing column(s) {missing}; the file has {table.column_names}. "
@@ -97,11 +132,11 @@ def _read_parquet(path: str, columns: tuple[str, ...]) -> list[dict]:
     rows = table.to_pylist()
     where = [f"{path} row {index} (0-based)" for index in range(len(rows))]
     for row, at in zip(rows, where):
-        _check_row(row, at, columns)
+        _check_row(row, at, columns, conversation_key)
     return rows, where
 
 
-def _read_jsonl(path: str, columns: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+def _read_jsonl(path: str, columns: tuple[str, ...], conversation_key: str | None) -> tuple[list[dict], list[str]]:
     rows, where = [], []
     with fsspec.open(path, "rt", encoding="utf-8", compression="infer") as f:
         for line_number, line in enumerate(f, start=1):
@@ -109,7 +144,7 @@ def _read_jsonl(path: str, columns: tuple[str, ...]) -> tuple[list[dict], list[s
                 continue  # blank lines (a trailing newline, say) carry no row
             where.append(f"{path} line {line_number}")
             rows.append(_parse_json_line(line, where[-1]))
-            _check_row(rows[-1], where[-1], columns)
+            _check_row(rows[-1], where[-1], columns, conversation_key)
     return rows, where
 
 
@@ -123,18 +158,25 @@ def _parse_json_line(line: str, where: str) -> dict:
     return row
 
 
-def _check_row(row: dict, where: str, columns: tuple[str, ...]) -> None:
+def _check_row(row: dict, where: str, columns: tuple[str, ...], conversation_key: str | None) -> None:
     prompt_key = columns[0]
+    if conversation_key and row.get(conversation_key) is not None:  # an SFT conversation instead of a prompt
+        check_messages(row[conversation_key], where, conversation_key, need_assistant=True)
+        columns = columns[1:]
     for column in columns:
         if row.get(column) is None:
             raise ValueError(f"{where}: missing value for column {column!r}. Fix: add it or drop the row")
+    if prompt_key not in columns:
+        return
     prompt = row[prompt_key]
-    if not isinstance(prompt, str):
+    if is_chat(prompt):
+        check_messages(prompt, where, prompt_key)
+    elif not isinstance(prompt, str):
         raise ValueError(
-            f"{where}: column {prompt_key!r} must be a string, got {type(prompt).__name__}. Fix: store the prompt "
-            f"as text (render chat messages first, e.g. tokenizer.apply_chat_template(..., tokenize=False))"
+            f"{where}: column {prompt_key!r} must be a string or a list of chat messages "
+            f"([{{'role': 'user', 'content': ...}}]), got {type(prompt).__name__}"
         )
-    if not prompt.strip():
+    elif not prompt.strip():
         raise ValueError(f"{where}: column {prompt_key!r} is empty. Fix: drop the row or fill in the prompt")
 
 

@@ -1,9 +1,10 @@
 """Rollout backends: ``hf`` (transformers ``generate``) and ``vllm``. Both return the same DataProto contract:
 
 ``prompts [B, P]``, ``responses [B, R]`` (right-padded with pad), ``input_ids [B, P+R]``, ``attention_mask``,
-``position_ids``, ``response_mask [B, R]`` (1 up to and including the first EOS) and ``rollout_log_probs [B, R]``
-(log-probs of the sampled tokens under the temperature-scaled distribution). Non-tensor columns are carried
-over; with ``n`` samples per prompt every row appears ``n`` times, interleaved (a a b b).
+``position_ids``, ``response_mask [B, R]`` (1 up to and including the first stop token: the tokenizer's eos or
+any id of the model's ``generation_config.eos_token_id``, see ``stop_token_ids``; 0 after it) and
+``rollout_log_probs [B, R]`` (log-probs of the sampled tokens under the temperature-scaled distribution).
+Non-tensor columns are carried over; with ``n`` samples per prompt every row appears ``n`` times, interleaved (a a b b).
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def rollout_output(
     }
     meta = {k: v for k, v in prompts.meta_info.items() if k != "metrics"}
     return DataProto.from_dict(batch, dict(prompts.non_tensor_batch), meta_info=meta)
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The token ids that end a response: the tokenizer's eos and every id of the model's
+    ``generation_config.eos_token_id`` (an int or a list: chat models list their end-of-turn token, e.g.
+    ``<|im_end|>``, there)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    return sorted(int(i) for i in ids if i is not None)
 
 
 def build_rollout(config, model, tokenizer, model_path: str):

@@ -7,12 +7,13 @@ import torch
 from rlworkers.protocol import DataProto
 from rlworkers.workers.common import logprobs_from_logits
 from rlworkers.workers.config import RolloutConfig
-from rlworkers.workers.rollout import rollout_output, sampling_request
+from rlworkers.workers.rollout import rollout_output, sampling_request, stop_token_ids
 
 
-def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 for every token up to and including the first EOS of each row, 0 after. ``[B, R] -> [B, R]``."""
-    is_eos = responses == eos_token_id
+def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """1 for every token up to and including the first EOS (any of the ids) of each row, 0 after.
+    ``[B, R] -> [B, R]``."""
+    is_eos = torch.isin(responses, torch.as_tensor(eos_token_id, device=responses.device))
     after_eos = (torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()) > 0
     return (~after_eos).long()
 
@@ -20,6 +21,7 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int) -> torch.
 class HFRollout:
     def __init__(self, model, tokenizer, config: RolloutConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.stop_token_ids = stop_token_ids(tokenizer, model)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generate samples from the actor's own module."""
@@ -40,7 +42,7 @@ class HFRollout:
             temperature=temperature if do_sample else None,
             top_p=self.config.top_p if do_sample else None,
             top_k=self.config.top_k if do_sample else None,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
             return_dict_in_generate=True,
             output_logits=True,
@@ -52,7 +54,7 @@ class HFRollout:
         if pad:  # every row stopped early
             responses = torch.nn.functional.pad(responses, (0, pad), value=self.tokenizer.pad_token_id)
             logits = torch.nn.functional.pad(logits, (0, 0, 0, pad))
-        response_mask = response_mask_from_eos(responses, self.tokenizer.eos_token_id)
+        response_mask = response_mask_from_eos(responses, self.stop_token_ids)
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         log_probs = logprobs_from_logits(logits, responses) * response_mask
         return rollout_output(prompts, responses, response_mask, log_probs)

@@ -21,9 +21,11 @@ uni-process executor, as verl's colocated rollout did), the actor's dtype, ``loa
 from disk: the actor's weights are loaded into it at once), ``max_model_len`` = prompt width of the first batch +
 response length (at least ``MIN_MAX_MODEL_LEN``, at most the model's ``max_position_embeddings``; a rollout
 config attribute ``max_model_len`` overrides it), ``seed`` drawn from torch's RNG (the worker seeds it per rank,
-so runs repeat and data-parallel ranks sample differently), ``generation_config="vllm"`` (the EOS that stops a
-response is the tokenizer's, as in HF's backend). On CPU: ``enforce_eager=True`` and a KV cache of
-``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). On CUDA: CUDA graphs and sleep mode (below).
+so runs repeat and data-parallel ranks sample differently), ``generation_config="vllm"`` (sampling settings are
+rlflow's, not the model folder's; a response stops at the tokenizer's EOS and at every id of the model's
+``generation_config.eos_token_id``, passed as ``stop_token_ids``, as in HF's backend). On CPU:
+``enforce_eager=True`` and a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). On CUDA: CUDA graphs
+and sleep mode (below).
 vLLM's CPU worker sets torch's intra-op threads to 1 and disables ``torch.set_num_threads`` for its own process;
 here that process is the actor's, so both are restored after the engine starts. It also reseeds the process's
 global RNGs with the engine seed (deterministic, as that seed is) and takes the objects then alive out of the
@@ -66,7 +68,7 @@ from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing
 
 from rlworkers.protocol import DataProto
 from rlworkers.workers.config import RolloutConfig
-from rlworkers.workers.rollout import rollout_output, sampling_request
+from rlworkers.workers.rollout import rollout_output, sampling_request, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +193,7 @@ class VLLMRollout:
             max_tokens=response_length,
             logprobs=0,
             stop=list(stop) if stop else None,
+            stop_token_ids=stop_token_ids(self.tokenizer, self.model),
             detokenize=bool(stop),
         )
         requests = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
