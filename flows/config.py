@@ -41,6 +41,11 @@ class TaskConfig(_Frozen):
     num_train: int = Field(2000, gt=0)
     num_val: int = Field(200, gt=0)
     max_digits: int = Field(2, ge=1, le=6)
+    prompt_format: Literal["plain", "chat", "gsm8k"] = Field(
+        "plain",
+        description="plain '12+34=' (the tiny model); chat 'What is 12 + 34? Reply with the number only.'; gsm8k: "
+        "the answer after '####' (both chat formats in verl's layout, for chat models)",
+    )
     seed: int = 0
 
 

@@ -108,13 +108,15 @@ def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
             files, prompt_key=data.prompt_key, conversation_key=data.messages_key, **limit, **formats
         )
     task_cfg = config.data.task
-    data_dir = f"{config.trainer.runs_dir.rstrip('/')}/_data/{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}"
+    style = "" if task_cfg.prompt_format == "plain" else f"-{task_cfg.prompt_format}"
+    folder = f"{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}{style}"
     paths = ensure_addition_dataset(
-        data_dir,
+        f"{config.trainer.runs_dir.rstrip('/')}/_data/{folder}",
         num_train=task_cfg.num_train,
         num_val=task_cfg.num_val,
         max_digits=task_cfg.max_digits,
         seed=task_cfg.seed,
+        prompt_format=task_cfg.prompt_format,
     )
     return load_prompt_dataset(paths[split], prompt_key="prompt", **limit, **formats)
 

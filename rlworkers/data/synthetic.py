@@ -9,6 +9,12 @@ problem and the columns
     data_source  "addition"      selects the default reward (rlworkers.rewards.registry.DATA_SOURCE_DEFAULTS)
     extra_info   {"split", "index", "a", "b"}
 
+``prompt_format`` picks how a problem is asked: ``"plain"`` (above, for the tiny model), or as a chat model is asked,
+in verl's layout (``prompt`` a list of chat messages, ``ability``, ``reward_model: {style, ground_truth}``):
+``"chat"`` ("What is 12 + 34? Reply with the number only.", data_source ``addition_chat``, scored by the last
+number of the response) or ``"gsm8k"`` (the answer written after ``####`` as in GSM8K, data_source
+``addition_gsm8k``, scored by the ``gsm8k`` rule: nothing for an answer without ``####``).
+
 Operands are drawn uniformly from ``[0, 10**max_digits)``; every (a, b) pair appears at most once across both
 splits, so train and validation are disjoint. The output depends only on the arguments (numpy Generator seeded
 with ``seed``). ``out_dir`` may be a local folder or an fsspec URL.
@@ -32,6 +38,11 @@ from rlworkers.storage import filesystem, join_path
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "addition"
+PROMPT_FORMATS = {  # prompt_format -> (data_source, chat question)
+    "plain": (DATA_SOURCE, None),
+    "chat": ("addition_chat", "What is {a} + {b}? Reply with the number only."),
+    "gsm8k": ("addition_gsm8k", 'What is {a} + {b}? Write the final answer after "####", e.g. "#### 7".'),
+}
 SPLIT_FILES = {"train": "train.parquet", "validation": "validation.parquet"}
 META_FILE = "meta.json"
 
@@ -58,24 +69,42 @@ def sample_operand_pairs(count: int, *, max_digits: int, seed: int) -> list[tupl
     return pairs
 
 
-def addition_row(a: int, b: int, *, split: str, index: int) -> dict:
+def addition_row(a: int, b: int, *, split: str, index: int, prompt_format: str = "plain") -> dict:
     """One dataset row for ``a + b``."""
     answer = str(a + b)
+    extra_info = {"split": split, "index": index, "a": a, "b": b}
+    data_source, question = PROMPT_FORMATS[prompt_format]
+    if question is None:
+        return {
+            "prompt": f"{a}+{b}=",
+            "answer": answer,
+            "response": answer,
+            "data_source": data_source,
+            "extra_info": extra_info,
+        }
     return {
-        "prompt": f"{a}+{b}=",
-        "answer": answer,
-        "response": answer,
-        "data_source": DATA_SOURCE,
-        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question.format(a=a, b=b)}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": extra_info,
+        "response": answer if prompt_format == "chat" else f"{a} + {b} = {answer}\n#### {answer}",
     }
 
 
-def addition_rows(*, num_train: int, num_val: int, max_digits: int, seed: int) -> dict[str, list[dict]]:
+def addition_rows(
+    *, num_train: int, num_val: int, max_digits: int, seed: int, prompt_format: str = "plain"
+) -> dict[str, list[dict]]:
     """The rows of both splits: ``{"train": [...], "validation": [...]}``, disjoint by construction."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format={prompt_format!r}: use one of {sorted(PROMPT_FORMATS)}")
     pairs = sample_operand_pairs(num_train + num_val, max_digits=max_digits, seed=seed)
     splits = {"train": pairs[:num_train], "validation": pairs[num_train:]}
     return {
-        split: [addition_row(a, b, split=split, index=i) for i, (a, b) in enumerate(split_pairs)]
+        split: [
+            addition_row(a, b, split=split, index=i, prompt_format=prompt_format)
+            for i, (a, b) in enumerate(split_pairs)
+        ]
         for split, split_pairs in splits.items()
     }
 
@@ -87,18 +116,23 @@ def make_addition_dataset(
     num_val: int = 200,
     max_digits: int = 2,
     seed: int = 0,
+    prompt_format: str = "plain",
 ) -> dict[str, str]:
     """Write the addition task to ``out_dir`` and return ``{"train": url, "validation": url}``."""
     out_dir = os.fspath(out_dir)
     fs, root = filesystem(out_dir)
     fs.makedirs(root, exist_ok=True)
-    rows = addition_rows(num_train=num_train, num_val=num_val, max_digits=max_digits, seed=seed)
+    rows = addition_rows(
+        num_train=num_train, num_val=num_val, max_digits=max_digits, seed=seed, prompt_format=prompt_format
+    )
     paths = {}
     for split, split_rows in rows.items():
         paths[split] = join_path(out_dir, SPLIT_FILES[split])
         with fsspec.open(paths[split], "wb") as f:
             pq.write_table(pa.Table.from_pylist(split_rows), f)
     meta = {"num_train": num_train, "num_val": num_val, "max_digits": max_digits, "seed": seed}
+    if prompt_format != "plain":  # plain folders written before the formats existed stay valid
+        meta["prompt_format"] = prompt_format
     with fsspec.open(join_path(out_dir, META_FILE), "w") as f:
         json.dump(meta, f)
     logger.info("wrote addition dataset (%d train, %d validation) to %s", num_train, num_val, out_dir)
@@ -110,6 +144,8 @@ def ensure_addition_dataset(out_dir: str | os.PathLike, **params) -> dict[str, s
     parameters (recorded in ``meta.json``)."""
     out_dir = os.fspath(out_dir)
     wanted = {"num_train": 2000, "num_val": 200, "max_digits": 2, "seed": 0, **params}
+    if wanted.get("prompt_format") == "plain":
+        del wanted["prompt_format"]
     fs, root = filesystem(out_dir)
     paths = {split: join_path(out_dir, name) for split, name in SPLIT_FILES.items()}
     meta_path = join_path(out_dir, META_FILE)

@@ -1,4 +1,5 @@
-"""Model and tokenizer loading, and the tiny offline Llama with a character-level tokenizer (see tiny.py)."""
+"""Model and tokenizer loading, the tiny offline Llama with a character-level tokenizer (see tiny.py), and
+SmolLM2-135M-Instruct built from a pip package (see smollm2.py)."""
 
 import transformers.utils
 import transformers.utils.import_utils
@@ -26,14 +27,28 @@ from rlworkers.models.loading import (  # noqa: E402
     resolve_model_path,
     torch_dtype,
 )
+from rlworkers.models.smollm2 import (  # noqa: E402
+    SMOLLM2_MODEL_NAME,
+    create_smollm2_model,
+    default_smollm2_model_dir,
+    ensure_smollm2_model,
+    find_smollm2_gguf,
+    is_smollm2_model_complete,
+)
 from rlworkers.models.tiny import build_char_tokenizer, create_tiny_model, ensure_tiny_model, is_tiny_model_complete  # noqa: E402
 
 __all__ = [
+    "SMOLLM2_MODEL_NAME",
     "TINY_MODEL_NAME",
     "build_char_tokenizer",
+    "create_smollm2_model",
     "create_tiny_model",
+    "default_smollm2_model_dir",
     "default_tiny_model_dir",
+    "ensure_smollm2_model",
     "ensure_tiny_model",
+    "find_smollm2_gguf",
+    "is_smollm2_model_complete",
     "is_tiny_model_complete",
     "load_model",
     "load_model_and_tokenizer",

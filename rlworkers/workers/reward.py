@@ -2,11 +2,20 @@
 (or a rule too heavy or too risky for the controller's side) in worker processes (``RewardWorker``).
 
 Both answer the same three calls, so a flow's ``compute_reward`` stage does not care which it holds:
-``compute_rm_score(batch)`` -> ``token_level_scores [B, R]`` (each row's score on its last response token) and the
-non-tensor column ``score`` (the per-row number); ``save_checkpoint(path)`` records what the reward was;
-``load_checkpoint(path)`` refuses to resume a run trained with another reward. Rule functions follow
-``reward_fn(prompts, responses, **columns) -> list[float]`` and are loaded only from a registered name or an
-explicitly named file/module (``rewards.registry``).
+``compute_rm_score(batch)`` -> ``token_level_scores [B, R]`` (each row's score on its last response token), the
+non-tensor column ``score`` (the per-row number) and, for each extra key a rule function returned in its dicts
+(``{"score": 1.0, "acc": True}``, verl's ``reward_extra_info``), a float column ``reward_extra/<key>`` (NaN for a
+row without it); ``save_checkpoint(path)`` records what the reward was; ``load_checkpoint(path)`` refuses to resume
+a run trained with another reward.
+
+Rule functions are loaded only from a registered name or an explicitly named file/module
+(``rewards.registry.load_reward_fn``), with rlflow's ``reward_fn(prompts, responses, **columns)``, verl's per-sample
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` or verl's batch
+``compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)`` (the registry's docstring
+says what each gets). ``prompts`` is the batch's ``raw_prompt`` (the text the model saw), ``responses`` the decoded
+responses, and ``columns`` every other non-tensor column of the batch (``reward_columns``): the dataset's columns
+(verl's ``reward_model`` and ``extra_info`` dicts, ``ability``, the user's own), ``ground_truth`` and
+``data_source``; not ``uid`` and ``raw_prompt``, nor the columns rewards write (``score``, ``reward_extra/*``).
 
 Where a rule runs (``reward.num_workers``): with 0 (the default for rules), the ``compute_reward`` stage task scores
 the batch itself, in the process Ray already delivered the generated batch to, as verl's trainer calls its
@@ -28,11 +37,23 @@ from rlworkers.algorithms.core_algos import compute_token_level_scores
 from rlworkers.data.batching import decode_responses
 from rlworkers.models.loading import load_tokenizer, resolve_model_path, torch_dtype
 from rlworkers.protocol import DataProto
-from rlworkers.rewards.registry import compute_scores, load_reward_fn
+from rlworkers.rewards.registry import compute_reward_values, load_reward_fn
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers.config import RewardConfig
 
-REWARD_COLUMNS = ("ground_truth", "data_source")
+INTERNAL_COLUMNS = ("uid", "raw_prompt")  # not passed as columns (raw_prompt is the ``prompts`` argument)
+REWARD_OUTPUT_COLUMNS = ("score",)  # written by rewards, with every column under REWARD_EXTRA_PREFIX
+REWARD_EXTRA_PREFIX = "reward_extra/"
+
+
+def reward_columns(data: DataProto) -> dict[str, list]:
+    """The non-tensor columns a rule function gets as ``columns``: all of them but ``INTERNAL_COLUMNS`` and those
+    a reward wrote (``score``, ``reward_extra/*``)."""
+    return {
+        key: list(values)
+        for key, values in data.non_tensor_batch.items()
+        if key not in INTERNAL_COLUMNS and key not in REWARD_OUTPUT_COLUMNS and not key.startswith(REWARD_EXTRA_PREFIX)
+    }
 
 
 class RuleReward:
@@ -52,10 +73,10 @@ class RuleReward:
 
     def compute_rm_score(self, data: DataProto) -> DataProto:
         tokenizer, reward_fn = _load(self.tokenizer_path, self.config.reward_fn)
-        columns = {k: list(data.non_tensor_batch[k]) for k in REWARD_COLUMNS if k in data.non_tensor_batch}
         prompts = list(data.non_tensor_batch.get("raw_prompt", [""] * len(data)))
-        scores = compute_scores(reward_fn, prompts, decode_responses(data, tokenizer), **columns)
-        return scores_to_proto(scores, data)
+        responses = decode_responses(data, tokenizer)
+        scores, extras = compute_reward_values(reward_fn, prompts, responses, **reward_columns(data))
+        return scores_to_proto(scores, data, extras)
 
     def save_checkpoint(self, path: str) -> None:
         save_reward_spec(path, self.config)
@@ -69,9 +90,14 @@ def _load(tokenizer_path: str, reward_fn: str):
     return load_tokenizer(tokenizer_path), load_reward_fn(reward_fn)
 
 
-def scores_to_proto(scores: list[float], data: DataProto) -> DataProto:
+def scores_to_proto(scores: list[float], data: DataProto, extras: dict[str, list[float]] | None = None) -> DataProto:
+    """``token_level_scores`` (each score on its row's last response token), the non-tensor ``score`` and one
+    float64 column ``reward_extra/<key>`` per extra key."""
     token_level = compute_token_level_scores(torch.tensor(scores), data.batch["response_mask"])
-    return DataProto.from_dict({"token_level_scores": token_level}, {"score": np.array(scores, dtype=object)})
+    non_tensors = {"score": np.array(scores, dtype=object)}
+    for key, values in (extras or {}).items():
+        non_tensors[f"{REWARD_EXTRA_PREFIX}{key}"] = np.asarray(values, dtype=np.float64)
+    return DataProto.from_dict({"token_level_scores": token_level}, non_tensors)
 
 
 def save_reward_spec(path: str, config: RewardConfig) -> None:
