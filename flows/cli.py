@@ -174,12 +174,18 @@ def _restart_missed_crashes() -> None:
 @app.command()
 def demo(
     sft_steps: Optional[int] = typer.Option(None, help="override the SFT steps of configs/demo-sft.yaml"),
-    grpo_steps: Optional[int] = typer.Option(None, help="override the GRPO steps of configs/demo.yaml"),
+    grpo_steps: Optional[int] = typer.Option(None, help="override the GRPO steps of the demo's GRPO config"),
+    model: str = typer.Option(
+        "tiny",
+        help="tiny: SFT then GRPO on the tiny model (configs/demo*.yaml); smollm2-135m-instruct: GRPO on "
+        "that real chat model (configs/real.yaml)",
+    ),
 ) -> None:
-    """Start the services, SFT-warm the tiny model, then GRPO; print before/after accuracy and where to look."""
+    """Start the services, train the demo (the tiny model: SFT, then GRPO; a real model: GRPO); print before/after
+    accuracy and where to look."""
     from flows.demo import main as run_demo
 
-    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps)
+    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps, model=model)
 
 
 # ---------------------------------------------------------------------------------------------- rlflow server

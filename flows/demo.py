@@ -4,6 +4,9 @@
 2. SFT-warms the tiny offline model on 2-digit addition (configs/demo-sft.yaml), as a Prefect flow on Ray;
 3. runs GRPO from the SFT model (configs/demo.yaml);
 4. prints the validation accuracy before and after each phase, and where to look in the Prefect and MLflow UIs.
+
+`make demo-real` (`rlflow demo --model smollm2-135m-instruct`) runs GRPO on a real pretrained chat model instead
+(configs/real.yaml: SmolLM2-135M-Instruct, the sums asked in its chat template), no SFT phase.
 """
 
 from __future__ import annotations
@@ -25,17 +28,42 @@ def _val_history(run_id: str) -> list[tuple[int, float]]:
     ]
 
 
-def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
-    from mlflow.tracking import MlflowClient
+REAL_MODEL = "smollm2-135m-instruct"
 
-    from flows.config import load_config, runs_root
-    from flows.launch import run_training
+
+def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str = "tiny") -> None:
     from flows.preflight import apply_service_env
     from flows.services import ServiceConfig, start_services
 
+    if model not in ("tiny", REAL_MODEL):
+        raise ValueError(f"rlflow demo --model {model!r}: use 'tiny' (the default) or {REAL_MODEL!r}")
     urls = start_services(ServiceConfig())
     apply_service_env(urls)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if model == REAL_MODEL:
+        _real_model_demo(urls, stamp, grpo_steps)
+    else:
+        _tiny_model_demo(urls, stamp, sft_steps, grpo_steps)
+
+
+def _real_model_demo(urls: dict, stamp: str, grpo_steps: int | None) -> None:
+    from flows.config import load_config
+    from flows.launch import run_training
+
+    overrides = [f"trainer.run_name=demo-real-{stamp}", "trainer.resume=never"]
+    if grpo_steps:
+        overrides += [f"trainer.total_steps={grpo_steps}"]
+    config = load_config("real", overrides)
+    console.rule("GRPO on SmolLM2-135M-Instruct (chat template, 2-digit sums)")
+    started = time.time()
+    run_training("grpo", config)
+    _report(urls, [("grpo", config, time.time() - started)], "2-digit sums in the chat template, greedy, last number")
+
+
+def _tiny_model_demo(urls: dict, stamp: str, sft_steps: int | None, grpo_steps: int | None) -> None:
+    from flows.config import load_config, runs_root
+    from flows.launch import run_training
+
     sft_overrides = [f"trainer.run_name=demo-sft-{stamp}", "trainer.resume=never"]
     if sft_steps:
         sft_overrides += [
@@ -58,34 +86,32 @@ def main(sft_steps: int | None = None, grpo_steps: int | None = None) -> None:
     grpo_config = load_config("demo", grpo_overrides + [f"model.path={sft_model}"])
     run_training("grpo", grpo_config)
     seconds["grpo"] = time.time() - started - seconds["sft"]
+    phases = [("sft", sft_config, seconds["sft"]), ("grpo", grpo_config, seconds["grpo"])]
+    _report(urls, phases, "2-digit addition, 200 held-out sums, greedy exact match")
+
+
+def _report(urls: dict, phases: list[tuple], title: str) -> None:
+    """The accuracy table (first and last validation of each phase's MLflow run) and where to look."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.config import runs_root
 
     client = MlflowClient()
-    experiment_id = client.get_experiment_by_name(sft_config.trainer.project_name).experiment_id
-    table = Table(
-        "phase",
-        "steps",
-        "val accuracy before",
-        "val accuracy after",
-        "wall time",
-        title="2-digit addition, 200 held-out sums, greedy exact match",
-    )
+    experiment_id = client.get_experiment_by_name(phases[0][1].trainer.project_name).experiment_id
+    table = Table("phase", "steps", "val accuracy before", "val accuracy after", "wall time", title=title)
     links = []
-    for phase, config in (("sft", sft_config), ("grpo", grpo_config)):
+    for phase, config, seconds in phases:
         name = config.trainer.run_name
         run = client.search_runs([experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
         history = _val_history(run.info.run_id)
         table.add_row(
-            phase,
-            str(config.trainer.total_steps),
-            f"{history[0][1]:.1%}",
-            f"{history[-1][1]:.1%}",
-            f"{seconds[phase]:.0f} s",
+            phase, str(config.trainer.total_steps), f"{history[0][1]:.1%}", f"{history[-1][1]:.1%}", f"{seconds:.0f} s"
         )
         links.append(f"  {phase}: {urls['mlflow_ui']}/#/experiments/{experiment_id}/runs/{run.info.run_id}")
     console.print(table)
-    console.print(f"done in {time.time() - started:.0f} s")
+    console.print(f"done in {sum(seconds for _, _, seconds in phases):.0f} s")
     console.print("MLflow runs:\n" + "\n".join(links))
     console.print(f"Prefect UI (flow runs, task runs per stage, checkpoint artifacts): {urls['prefect_ui']}")
     console.print(f"MLflow UI (metrics, params, sample generations, model): {urls['mlflow_ui']}")
-    console.print(f"Checkpoints and final models: {runs_root(sft_config)} and {runs_root(grpo_config)}")
+    console.print("Checkpoints and final models: " + " and ".join(runs_root(config) for _, config, _ in phases))
     console.print("Stop the servers with `.venv/bin/rlflow server down`.")

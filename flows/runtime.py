@@ -331,7 +331,7 @@ class Run:
             (response_mask.sum(-1) == response_mask.shape[-1]).float().mean()
         )
         for key in sorted(k for k in out.non_tensor_batch if k.startswith("reward_extra/")):
-            metrics[f"val/{key}/mean"] = float(np.mean(out.non_tensor_batch[key].astype(float)))
+            metrics[f"val/{key}/mean"] = float(np.nanmean(out.non_tensor_batch[key].astype(float)))
         self.warn_if_clipped(f"validation at step {step}", metrics["val/response_length/clip_ratio"])
         responses = decode_responses(out, self.tokenizer)
         columns = zip(out.non_tensor_batch["raw_prompt"], responses, out.non_tensor_batch["ground_truth"], scores)
@@ -725,16 +725,16 @@ def _flow_task_runner():
 
 
 def _start_model(config: RLConfig) -> tuple[str, str]:
-    """(pinned URI, folder) of the model a new run starts from; ``tiny`` becomes its local folder, a URL stays one
-    (every node caches it)."""
+    """(pinned URI, folder) of the model a new run starts from; a named model (``tiny``, ``smollm2-135m-instruct``)
+    becomes its local folder, a URL stays one (every node caches it)."""
     from mlflow.tracking import MlflowClient
 
     model_uri, model_dir = lineage.start_model(config, MlflowClient(), lineage.cache_root(config))
     if model_dir.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model_dir)):
         raise FileNotFoundError(
             f"model.path={model_dir!r}: no such folder. Fix: name a folder that holds the model's "
-            "config.json, weights and tokenizer, a Hugging Face hub name, `tiny`, or an MLflow "
-            "reference (models:/<name>@<alias>)"
+            "config.json, weights and tokenizer, a Hugging Face hub name, `tiny`, `smollm2-135m-instruct`, or an "
+            "MLflow reference (models:/<name>@<alias>)"
         )
     return model_uri, model_dir if is_remote(model_dir) else resolve_model_path(model_dir)
 
@@ -903,7 +903,7 @@ def _service_env() -> dict[str, str]:
     return {
         **{
             k: os.environ[k]
-            for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR")
+            for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR", "RLFLOW_SMOLLM2_MODEL_DIR")
             if k in os.environ
         },
         **storage_env(),

