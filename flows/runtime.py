@@ -41,6 +41,7 @@ from rlworkers.checkpoint import (
     write_json,
 )
 from rlworkers.data.batching import TokenCache, decode_responses, prompt_batch, sft_batch
+from rlworkers.data.chat import conversation_as_prompt
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
 from rlworkers.models.loading import load_tokenizer, resolve_model_path
@@ -319,7 +320,9 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
-        prompts = self.prompt_batch(self.val_rows[: self.config.data.val_batch_size or len(self.val_rows)])
+        data = self.config.data
+        rows = self.val_rows[: data.val_batch_size or len(self.val_rows)]
+        prompts = self.prompt_batch([conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in rows])
         out = validate.submit(self.groups["actor"], self.groups["reward"], prompts, step).result()
         scores = out.non_tensor_batch["score"].astype(float)
         metrics = {"val/score/mean": float(np.mean(scores)), "timing_s/validate": out.meta_info["timing_s/validate"]}

@@ -14,7 +14,7 @@ import pytest
 
 from flows.config import ConfigError, load_config
 from rlworkers.data.batching import ground_truth_of, prompt_batch, sft_batch
-from rlworkers.data.chat import conversation_tokens, render_prompt
+from rlworkers.data.chat import conversation_as_prompt, conversation_tokens, render_prompt
 from rlworkers.data.datasets import load_prompt_dataset
 from rlworkers.models.tiny import build_char_tokenizer
 
@@ -174,3 +174,18 @@ def test_config_takes_verl_spellings():
         load_config("demo", ["custom_reward_function.path=my_reward.py", "reward.reward_fn=exact"])
     with pytest.raises(ConfigError, match="data.truncation"):
         load_config("demo", ["data.truncation=middle"])
+
+
+def test_a_conversation_validates_on_its_last_question():
+    conversation = [
+        {"role": "user", "content": "1+2"},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "2+2"},
+        {"role": "assistant", "content": "4"},
+    ]
+    row = conversation_as_prompt({"messages": conversation}, "prompt", "messages")
+    assert row["prompt"] == conversation[:3] and row["ground_truth"] == "4"
+    recorded = conversation_as_prompt({"messages": conversation, "ground_truth": "four"}, "prompt", "messages")
+    assert recorded["ground_truth"] == "four"  # the row's own ground truth wins
+    plain = {"prompt": "1+1=", "answer": "2"}
+    assert conversation_as_prompt(plain, "prompt", "messages") is plain

@@ -6,7 +6,8 @@
 * a verl-layout parquet (chat-message prompts, nested ``reward_model``, ``extra_info``) plus a verl reward file
   (``custom_reward_function``, ``compute_score(data_source, solution_str, ground_truth, extra_info)`` returning a
   dict) train GRPO with no conversion; the dict's extra value is logged; a run stopped after its step-1 checkpoint
-  and resumed ends with the same weights, bit for bit, as one that ran straight through.
+  and resumed ends with the same weights, bit for bit, as one that ran straight through;
+* SFT on whole conversations (verl's multi-turn SFT layout, a ``messages`` column) lowers the loss on them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from flows.config import load_config, runs_root
 from flows.grpo import grpo
 from flows.runtime import ray_task_runner
+from flows.sft import sft
 from rlworkers.data.batching import prompt_batch, sft_batch
 from rlworkers.data.synthetic import addition_rows
 from rlworkers.models.loading import load_tokenizer
@@ -135,7 +137,6 @@ def real_config(job, name: str, *extra: str):
         [
             f"data.train_files={job / 'train.parquet'}",  # a path, as verl takes it
             f"data.val_files={job / 'test.parquet'}",
-            f"custom_reward_function.path={job / 'reward.py'}",
             f"trainer.runs_dir={job / 'runs'}",
             f"trainer.run_name={name}",
             "data.train_batch_size=2",
@@ -163,7 +164,8 @@ def run_grpo(config):
 
 def test_verl_data_and_reward_file_train_and_resume_bitwise(verl_job):
     name = f"real-verl-{uuid.uuid4().hex[:6]}"
-    straight = real_config(verl_job, f"{name}-straight")
+    reward = f"custom_reward_function.path={verl_job / 'reward.py'}"
+    straight = real_config(verl_job, f"{name}-straight", reward)
     run_grpo(straight)
     client = MlflowClient()
     run = client.search_runs(
@@ -176,9 +178,9 @@ def test_verl_data_and_reward_file_train_and_resume_bitwise(verl_job):
     assert "response_length/clip_ratio" in metrics
     assert run.data.params["reward.reward_fn"] == f"{verl_job / 'reward.py'}:compute_score"
 
-    stopped = real_config(verl_job, f"{name}-resumed", "trainer.total_steps=1")
+    stopped = real_config(verl_job, f"{name}-resumed", reward, "trainer.total_steps=1")
     run_grpo(stopped)
-    resumed = real_config(verl_job, f"{name}-resumed")  # same run name: continues from its step-1 checkpoint
+    resumed = real_config(verl_job, f"{name}-resumed", reward)  # same run name: continues from its step-1 checkpoint
     run_grpo(resumed)
     weights = [
         load_file(f"{runs_root(config)}/checkpoints/step_2/actor/model.safetensors") for config in (straight, resumed)
@@ -187,3 +189,26 @@ def test_verl_data_and_reward_file_train_and_resume_bitwise(verl_job):
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
     start = load_file(f"{runs_root(resumed)}/checkpoints/step_1/actor/model.safetensors")
     assert not all(torch.equal(start[key], weights[1][key]) for key in start)  # step 2 did train
+
+
+def test_sft_on_conversations(verl_job):
+    conversations = [
+        {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}
+        for a, b in ((12, 30), (45, 11))
+    ]
+    path = verl_job / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist(conversations), path)
+    name = f"real-sft-{uuid.uuid4().hex[:6]}"
+    files = [f"data.train_files={path}", f"data.val_files={path}"]
+    steps = ["trainer.total_steps=3", "trainer.save_freq=3", "trainer.test_freq=3", "actor.optim.lr=1e-4"]
+    config = real_config(verl_job, name, *files, *steps, "reward.reward_fn=last_number")
+    state = sft.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
+    assert state.is_completed(), state
+    client = MlflowClient()
+    run = client.search_runs(
+        [client.get_experiment_by_name("rlflow").experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'"
+    )[0]
+    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "sft/loss"), key=lambda m: m.step)]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # the same two conversations every step: learned
+    # validation asked each conversation's last question and scored the reply against its recorded answer
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/score/mean")] == [0, 3]

@@ -137,3 +137,13 @@ def conversation_tokens(
         int(any(start <= token_start < end for start, end in spans)) for token_start, _ in encoded["offset_mapping"]
     ]
     return list(encoded["input_ids"]), loss_mask
+
+
+def conversation_as_prompt(row: dict, prompt_key: str, conversation_key: str) -> dict:
+    """A row to validate on: a prompt row as it is; an SFT conversation as its messages before the last assistant
+    turn (the prompt) and that turn's content as the ``ground_truth`` (unless the row has one)."""
+    messages = row.get(conversation_key)
+    if row.get(prompt_key) is not None or messages is None:
+        return row
+    last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
+    return {"ground_truth": messages[last]["content"], **row, prompt_key: list(messages[:last])}
