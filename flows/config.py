@@ -53,10 +53,12 @@ class DataConfig(_Frozen):
     """verl's ``data`` section where the names overlap: ``train_files``/``val_files`` (a path or a list),
     ``prompt_key``, ``max_prompt_length``, ``truncation``, ``apply_chat_template_kwargs``."""
 
-    train_files: list[str] | None = Field(
+    # a path or a list, as verl takes them (both in the JSON schema, so a deployment's form and `prefect deployment
+    # run --params` accept either); always a list after validation
+    train_files: str | list[str] | None = Field(
         None, description="parquet/jsonl file or list of files; unset = the built-in task"
     )
-    val_files: list[str] | None = Field(None, description="file or list of files; unset = data.train_files")
+    val_files: str | list[str] | None = Field(None, description="file or list of files; unset = data.train_files")
     prompt_key: str = Field("prompt", description="a string, or chat messages rendered with the chat template")
     answer_key: str = Field(
         "answer",
@@ -76,9 +78,9 @@ class DataConfig(_Frozen):
     shuffle: bool = True
     task: TaskConfig = TaskConfig()
 
-    @field_validator("train_files", "val_files", mode="before")
+    @field_validator("train_files", "val_files")
     @classmethod
-    def _one_or_many(cls, value):  # verl takes a single path as well as a list
+    def _one_or_many(cls, value):
         return [value] if isinstance(value, str) else value
 
 
