@@ -18,7 +18,7 @@ import torch
 from rlworkers.data.chat import conversation_tokens, prompt_token_ids
 from rlworkers.protocol import DataProto
 
-INTERNAL_COLUMNS = ("raw_prompt", "ground_truth", "data_source", "uid")  # what prompt_batch writes itself
+BATCH_COLUMNS = ("raw_prompt", "ground_truth", "data_source", "uid")  # what prompt_batch writes itself
 
 
 def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def prompt_batch(
     texts, encoded = prompt_token_ids([row[prompt_key] for row in rows], tokenizer, chat_template_kwargs)
     encoded = [fit_prompt(ids, max_prompt_length, truncation, i) for i, ids in enumerate(encoded)]
     input_ids, attention_mask = _left_pad(encoded, tokenizer.pad_token_id)
-    columns = {key for row in rows for key in row if key not in INTERNAL_COLUMNS}
+    columns = {key for row in rows for key in row if key not in BATCH_COLUMNS}
     non_tensors = {key: [row.get(key) for row in rows] for key in sorted(columns)}
     non_tensors.update(
         raw_prompt=texts,
