@@ -231,9 +231,20 @@ def download_model(uri: str, client, cache_root: str) -> str:
         fs.rm(path, recursive=True)  # an earlier download that did not finish
     with tempfile.TemporaryDirectory(prefix="rlflow-model-") as tmp:
         downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp))
-        weights = next((p.parent for p in downloaded.rglob("config.json") if "components" not in p.parts), None)
+        weights = next(
+            (
+                p.parent
+                for name in ("config.json", "adapter_config.json")  # a model, or a LoRA adapter (rlworkers.models.lora)
+                for p in downloaded.rglob(name)
+                if "components" not in p.parts
+            ),
+            None,
+        )
         if weights is None:
-            raise ModelReferenceError(f"{uri} holds no Hugging Face model (no config.json in its artifacts)")
+            raise ModelReferenceError(
+                f"{uri} holds no Hugging Face model (no config.json, nor a LoRA adapter's adapter_config.json, in its "
+                "artifacts)"
+            )
         with staged_dir(target) as hf_dir:
             for source in [weights, *(p for p in [downloaded / "components" / "tokenizer"] if p.is_dir())]:
                 for item in source.iterdir():

@@ -386,8 +386,15 @@ class Run:
         }
         self.tracker.set_tags({"rlflow.data_cursor": json.dumps(cursor)})
         path = f"{self.root}/final_model"
-        self.groups["actor"].save_model(path)
+        self.groups["actor"].save_model(path)  # with actor.lora: the adapter on its pinned base
         self.tracker.set_tags({"final_model_path": path})
+        if self.config.actor.lora.publish_merged:
+            merged = f"{self.root}/final_model_merged"
+            self.groups["actor"].save_model(merged, merged=True)
+            self.tracker.set_tags({"final_merged_model_path": merged})
+            if self.config.trainer.log_model:
+                info = self.tracker.log_model(merged, name="merged_model")
+                self.tracker.set_tags({"final_merged_model_uri": info.model_uri})
         if self.config.trainer.log_model:
             info = self.tracker.log_model(path, register_as=lineage.registered_model_name(self.config))
             result["model_uri"] = info.model_uri
@@ -594,7 +601,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     resume = resolve_resume(f"{root}/checkpoints", "auto" if same_flow_run else config.trainer.resume)
     state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
     if state:
-        check_checkpoint_fits(resume[0], state, config, algorithm)
+        check_checkpoint_fits(resume[0], state, config, algorithm, record.model_dir if record else None)
     if (
         state
         and state["step"] >= config.trainer.total_steps
@@ -673,8 +680,11 @@ class CheckpointMismatch(RuntimeError):
     """A checkpoint this run would resume was written by another algorithm, model or number of workers."""
 
 
-def check_checkpoint_fits(path: str, state: dict, config: RLConfig, algorithm: str) -> None:
-    """Refuse, before any worker starts, a checkpoint that this run cannot continue."""
+def check_checkpoint_fits(
+    path: str, state: dict, config: RLConfig, algorithm: str, start_model: str | None = None
+) -> None:
+    """Refuse, before any worker starts, a checkpoint that this run cannot continue; a LoRA checkpoint also when
+    the weights of the base it was trained on are not those of this run's base (``start_model``'s)."""
     saved = state.get("config", {})
     problems = []
     if state.get("algorithm") != algorithm:
@@ -687,11 +697,30 @@ def check_checkpoint_fits(path: str, state: dict, config: RLConfig, algorithm: s
     saved_model = saved.get("model", {}).get("path")
     if saved_model not in (None, config.model.path):
         problems.append(f"it trains model.path={saved_model!r} and this run names {config.model.path!r}")
+    saved_lora = saved.get("actor", {}).get("lora", {}).get("rank", 0)
+    if saved_lora != config.actor.lora.rank:
+        problems.append(f"it was trained with actor.lora.rank={saved_lora} and this run has {config.actor.lora.rank}")
+    elif saved_lora and start_model is not None:
+        problems += _lora_base_problems(f"{path}/actor", start_model)
     if problems:
         raise CheckpointMismatch(
             f"cannot resume {path}: {'; '.join(problems)}. Fix: use the settings the run was started with, or start "
             "a new run (another trainer.run_name, or trainer.resume=never)."
         )
+
+
+def _lora_base_problems(adapter_dir: str, start_model: str) -> list[str]:
+    from rlworkers.models import lora
+    from rlworkers.models.loading import base_model_path, resolve_model_path
+
+    saved = lora.read_base(adapter_dir).get("sha256")
+    base = base_model_path(resolve_model_path(start_model))
+    if saved and lora.weights_fingerprint(base) != saved:
+        return [
+            f"its adapter was trained on a base model with other weights than {base} has now (sha256 "
+            f"{saved[:12]}... then, {lora.weights_fingerprint(base)[:12]}... now)"
+        ]
+    return []
 
 
 def check_runs_dir_writable(config: RLConfig) -> None:

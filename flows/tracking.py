@@ -13,6 +13,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -30,6 +31,14 @@ _INVALID = re.compile(r"[^A-Za-z0-9_\-. /:]")
 
 def sanitize_metric_name(name: str) -> str:
     return _INVALID.sub("_", name.replace("@", "_at_"))
+
+
+@dataclass(frozen=True)
+class LoggedAdapter:
+    """What ``Tracker.log_adapter`` logged: the names of MLflow's ModelInfo that callers read."""
+
+    model_uri: str
+    registered_model_version: int | None
 
 
 class Tracker:
@@ -100,9 +109,9 @@ class Tracker:
     def log_dict(self, data: dict, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, data, artifact_file)
 
-    def log_model(self, model_dir: str, register_as: str | None = None):
+    def log_model(self, model_dir: str, register_as: str | None = None, name: str = "model"):
         """Log the final model (HF folder) with the transformers flavor; returns MLflow's ModelInfo (``model_uri``,
-        ``registered_model_version``).
+        ``registered_model_version``). A LoRA adapter folder is logged as it is (``log_adapter``).
 
         Requirements are given explicitly: MLflow's inference adds torchvision for every torch model, which this
         project does not install (PyPI's torchvision breaks the CPU torch build).
@@ -111,18 +120,44 @@ class Tracker:
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from rlworkers.models.lora import is_adapter_folder
+
+        if is_adapter_folder(model_dir):
+            return self.log_adapter(model_dir, register_as, name)
         with local_dir(model_dir) as folder:  # s3://... runs_dir: a temporary local copy
             model = AutoModelForCausalLM.from_pretrained(folder)
             tokenizer = AutoTokenizer.from_pretrained(folder)
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
-                name="model",
+                name=name,
                 task="text-generation",
                 registered_model_name=register_as,
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")],
             )
         return info
+
+    def log_adapter(self, adapter_dir: str, register_as: str | None = None, name: str = "model") -> LoggedAdapter:
+        """Log a LoRA adapter folder (peft's files, the tokenizer, ``base_model.json``: a few MB, not the model)
+        as the run's ``<name>`` artifacts and, with ``register_as``, register them as a model version whose
+        source is that folder. ``models:/...`` of it downloads the folder, which loads as base + adapter."""
+        from mlflow.exceptions import MlflowException
+
+        with local_dir(adapter_dir) as folder:
+            self.client.log_artifacts(self.run_id, folder, name)
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{name}"
+        version = None
+        if register_as:
+            try:
+                self.client.create_registered_model(register_as)
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            model_version = self.client.create_model_version(
+                register_as, source, run_id=self.run_id, tags={"rlflow.kind": "lora-adapter"}
+            )
+            version = int(model_version.version)
+        return LoggedAdapter(model_uri=f"runs:/{self.run_id}/{name}", registered_model_version=version)
 
     def flush(self) -> None:
         """Wait for the metrics still being sent (up to a second of buffering; a failure to send them is logged, not

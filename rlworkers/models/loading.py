@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlworkers.models import lora
 from rlworkers.models.smollm2 import SMOLLM2_MODEL_NAME, default_smollm2_model_dir, ensure_smollm2_model
 from rlworkers.models.tiny import ensure_tiny_model
 from rlworkers.storage import cached_copy, is_remote
@@ -105,12 +106,46 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM with ``AutoModelForCausalLM`` in the given dtype (on CPU; callers move it)."""
+    """Load a causal LM with ``AutoModelForCausalLM`` in the given dtype (on CPU; callers move it). A LoRA adapter
+    folder (``rlworkers.models.lora``) loads as one model: its base with the adapter merged in.
+
+    Raises:
+        ValueError: an adapter folder whose base model's weights are not the ones it was trained on.
+    """
     path = resolve_model_path(name_or_path)
+    if lora.is_adapter_folder(path):
+        model = load_model(
+            base_model_path(path),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+        return lora.load_adapter(model, path, trainable=False).merge_and_unload()
     kwargs = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def base_model_path(path: str) -> str:
+    """The full model under a resolved model folder: itself, or for a LoRA adapter folder the local folder of its
+    base, checked against the fingerprint the adapter recorded.
+
+    Raises:
+        ValueError: the base's weights differ from the ones the adapter was trained on.
+    """
+    if not lora.is_adapter_folder(path):
+        return path
+    adapter_dir = path
+    base = lora.read_base(adapter_dir)
+    path = resolve_model_path(base["path"])
+    if base.get("sha256") and lora.weights_fingerprint(path) != base["sha256"]:
+        raise ValueError(
+            f"{adapter_dir} is a LoRA adapter of the model in {base['path']}, but the weights there are not the ones "
+            f"it was trained on (sha256 {lora.weights_fingerprint(path)[:12]}..., the adapter records "
+            f"{base['sha256'][:12]}...). Fix: restore that base model, or train a new adapter on this one"
+        )
+    return path
 
 
 def load_model_and_tokenizer(

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from rlworkers.algorithms import core_algos
-from rlworkers.models.loading import load_model, load_tokenizer, resolve_model_path, torch_dtype
+from rlworkers.models import lora
+from rlworkers.models.loading import base_model_path, load_model, load_tokenizer, resolve_model_path, torch_dtype
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers import common
@@ -52,27 +53,54 @@ class ActorRolloutRefWorker(Worker):
     def init_model(self) -> None:
         cfg = self.config
         self.init_process_group(cfg.backend, timeout_s=cfg.collective_timeout_s)
-        common.seed_everything(cfg.seed)  # identical initial weights on every rank
+        common.seed_everything(cfg.seed)  # identical initial weights (and LoRA initialisation) on every rank
         path = resolve_model_path(cfg.model.path)
-        dtype = torch_dtype(cfg.model.dtype)
+        self.lora = cfg.actor.lora.enabled
+        self.base_path = base_model_path(path)  # path itself unless it is a LoRA adapter folder
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
+        self.ref_model = None
         if self._is_actor or self._is_rollout:
-            self.model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(self.device)
-            if cfg.model.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable()
+            self.model = self._load_policy(path)
         if self._is_actor:
-            self.module = common.wrap_data_parallel(self.model, self.device)
-            self.optimizer = common.build_optimizer(self.model.parameters(), cfg.actor.optim)
+            self.module = common.wrap_data_parallel(self.model, self.device)  # DDP syncs what requires grad only
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = common.build_optimizer(trainable, cfg.actor.optim)
             self.lr_scheduler = common.build_lr_scheduler(self.optimizer, cfg.actor.optim)
             self.policy_loss_fn = core_algos.get_policy_loss_fn(cfg.actor.policy_loss)
         if self._is_rollout:
-            self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, path)
-        if self._is_ref:
-            self.ref_model = load_model(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code).to(
-                self.device
-            )
+            self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, self.base_path)
+        if self._is_ref and not (self.lora and (self._is_actor or self._is_rollout)):
+            # with LoRA the reference is the base: the policy's own module with its adapter disabled, or here alone
+            self.ref_model = self._load(self.base_path if self.lora else path).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         common.seed_everything(cfg.seed + 1000 * (self.rank + 1))  # different samples on every rank
+
+    def _load(self, path: str) -> torch.nn.Module:
+        cfg = self.config.model
+        return load_model(path, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code)
+
+    def _load_policy(self, path: str) -> torch.nn.Module:
+        """The policy: the model at ``path`` (an adapter folder loads merged), or with ``actor.lora`` the base with a
+        new adapter, or with the adapter saved at ``path`` (a lineage's champion) to train further."""
+        cfg = self.config
+        checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}  # frozen inputs under LoRA
+        if not self.lora:
+            model = self._load(path)
+            if cfg.model.gradient_checkpointing:
+                model.gradient_checkpointing_enable(**checkpointing)
+            return model.to(self.device)
+        base = self._load(self.base_path)
+        if cfg.model.gradient_checkpointing:
+            base.gradient_checkpointing_enable(**checkpointing)
+        settings = cfg.actor.lora
+        if lora.is_adapter_folder(path):
+            lora.check_settings(path, settings)
+            model = lora.load_adapter(base, path, trainable=self._is_actor)
+        else:
+            model = lora.attach_adapter(
+                base, lora.lora_config(settings.rank, settings.alpha, settings.dropout, settings.target_modules)
+            )
+        return model.to(self.device)
 
     # ------------------------------------------------------------------------------------------------ rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -103,10 +131,20 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob [B, R]`` under the frozen reference policy."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        log_probs, _ = common.response_log_probs(
-            self.ref_model, common.to_device(data, self.device), temperature, self.config.ref_micro_batch_size_per_gpu
-        )
+        with self._reference() as reference:
+            log_probs, _ = common.response_log_probs(
+                reference, common.to_device(data, self.device), temperature, self.config.ref_micro_batch_size_per_gpu
+            )
         return DataProto.from_dict({"ref_log_prob": log_probs}).to("cpu")
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference policy: its own frozen model, or (LoRA) the policy with its adapter disabled."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        with self.model.disable_adapter():
+            yield self.model
 
     # ------------------------------------------------------------------------------------------------ training
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -255,11 +293,20 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------------------------------------ state
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_model(self, path: str) -> None:
+    def save_model(self, path: str, merged: bool = False) -> None:
         """The policy (or, on a reference-only worker, the reference) and its tokenizer as an HF folder, from rank
-        0: what is published and registered, nothing else."""
-        if self.rank == 0:
-            common.save_model(self._primary_model(), self.tokenizer, path)
+        0: what is published and registered, nothing else. With LoRA: the adapter folder (``lora.save_adapter``:
+        the adapter, the tokenizer, and its pinned base), or with ``merged`` the adapter merged into the base."""
+        if self.rank != 0:
+            return
+        model = self._primary_model()
+        if not self.lora or model is self.ref_model:
+            common.save_model(model, self.tokenizer, path)
+        elif merged:
+            lora.save_merged(model, self.tokenizer, path)
+        else:
+            base = {"path": self.base_path, "sha256": lora.weights_fingerprint(self.base_path)}
+            lora.save_adapter(model, self.tokenizer, path, base)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
@@ -278,14 +325,20 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
-        """Load weights from an HF-format folder into the policy (the reference on a reference-only worker; a
-        colocated reference stays the start model) and, for the actor, this rank's optimizer/scheduler/RNG."""
-        missing, unexpected = self._primary_model().load_state_dict(common.load_weights(path), strict=False)
-        real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
-        if real_missing or unexpected:
-            raise ValueError(
-                f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, unexpected {unexpected[:5]})"
-            )
+        """Load weights from an HF-format folder (with LoRA: an adapter folder) into the policy (the reference on a
+        reference-only worker; a colocated reference stays the start model) and, for the actor, this rank's
+        optimizer/scheduler/RNG."""
+        model = self._primary_model()
+        if self.lora and model is not self.ref_model:
+            lora.load_adapter_weights(model, path)
+        else:
+            missing, unexpected = model.load_state_dict(common.load_weights(path), strict=False)
+            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+            if real_missing or unexpected:
+                raise ValueError(
+                    f"{path}: checkpoint does not match the model (missing {real_missing[:5]}, unexpected "
+                    f"{unexpected[:5]})"
+                )
         self._sync_rollout_weights()
         if self._is_actor and load_optimizer:
             saved = common.load_torch(f"{path}/actor_state_rank_{self.rank}.pt")
@@ -298,6 +351,15 @@ class ActorRolloutRefWorker(Worker):
     def get_weights_checksum(self) -> float:
         """Sum of all weights in float64: equal across ranks when data-parallel replicas are in sync."""
         return float(sum(p.detach().double().sum() for p in self._primary_model().parameters()))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_parameter_counts(self) -> dict:
+        """``{"total", "trainable"}`` parameters of the policy: with LoRA only the adapter's train."""
+        model = self._primary_model()
+        return {
+            "total": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        }
 
     def _primary_model(self) -> torch.nn.Module:
         """What is saved, loaded and checked: the policy, or the reference on a reference-only worker."""

@@ -43,11 +43,14 @@ def response_log_probs(
     """Log-probs (and entropy) of ``data.batch["responses"]`` under ``model``, in micro-batches, without grad.
     ``[B, R]``."""
     log_probs, entropies = [], []
+    was_training = model.training
+    model.eval()  # no dropout (a LoRA adapter's, or the model's own) in what the update compares against
     for micro in data.split(micro_batch_size):
         logits = response_logits(model, micro.batch, temperature)
         log_probs.append(logprobs_from_logits(logits, micro.batch["responses"]))
         if with_entropy:
             entropies.append(entropy_from_logits(logits))
+    model.train(was_training)
     return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
 
 

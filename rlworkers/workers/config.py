@@ -57,6 +57,32 @@ class RolloutConfig(_Frozen):
         return self
 
 
+class LoraConfig(_Frozen):
+    """A LoRA adapter on the frozen base model (peft; verl's ``lora_rank`` / ``lora_alpha`` / ``target_modules``)."""
+
+    rank: int = Field(0, ge=0, description="adapter rank; 0 trains the full model (no adapter)")
+    alpha: float = Field(16.0, gt=0, description="scale of the adapter's update: alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]); all-linear = every linear but lm_head"
+    )
+    publish_merged: bool = Field(
+        False, description="also save (and log to MLflow) the final adapter merged into the base, as a full model"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("actor.lora.target_modules is empty: name the modules to adapt, or use 'all-linear'")
+        if self.publish_merged and not self.enabled:
+            raise ValueError("actor.lora.publish_merged needs an adapter: set actor.lora.rank > 0 (or drop it)")
+        return self
+
+
 class ActorConfig(_Frozen):
     ppo_mini_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, whole group")
     ppo_micro_batch_size_per_gpu: int = Field(8, gt=0, description="sequences per forward/backward on a worker")
@@ -75,6 +101,7 @@ class ActorConfig(_Frozen):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = "low_var_kl"
     optim: OptimConfig = OptimConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 class CriticConfig(_Frozen):

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing vLLM into an install hint
 
+from rlworkers.models.lora import merged_weights
 from rlworkers.protocol import DataProto
 from rlworkers.workers.config import RolloutConfig
 from rlworkers.workers.rollout import rollout_output, sampling_request, stop_token_ids
@@ -173,7 +174,7 @@ class VLLMRollout:
 
     @torch.no_grad()
     def _load_weights(self, model) -> None:
-        weights = ((name, tensor.detach()) for name, tensor in model.state_dict().items())
+        weights = ((name, tensor.detach()) for name, tensor in merged_weights(model))  # LoRA: W + B @ A * scale
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 

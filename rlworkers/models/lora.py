@@ -1,0 +1,221 @@
+"""LoRA adapters (peft) on a frozen base model: the actor's trainable adapter, adapter folders, merged weights.
+
+With ``actor.lora.rank > 0`` the actor wraps its model with peft's ``get_peft_model``: only the adapter's
+``lora_A`` / ``lora_B`` matrices train (the optimizer and DDP see only them), the reference policy is the same
+module with the adapter disabled (``disable_adapter()``, no second copy of the weights, as verl does), and HF
+generate samples with the current adapter. vLLM gets merged weights, ``W + B @ A * alpha / r`` computed beside the
+base weights (``merged_state_dict``): the base itself is never modified, so a run that merges and one that does not
+keep bitwise-identical weights.
+
+An *adapter folder* is what the actor saves (checkpoints, the final model, a lineage's registered versions)::
+
+    adapter_config.json           peft's (rank, alpha, dropout, target modules)
+    adapter_model.safetensors     the adapter's weights only
+    base_model.json               {"path": the base model's folder, "sha256": fingerprint of its weights}
+    tokenizer files
+
+``load_model`` loads an adapter folder as one model (base + adapter, merged), so a folder or a
+``models:/<lineage>@champion`` that holds an adapter works everywhere ``model.path`` is accepted; a LoRA actor
+started from one continues training that adapter. A checkpoint whose base fingerprint differs from the run's base is
+refused (``base_mismatch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_MODEL_FILE = "base_model.json"
+ADAPTER_NAME = "default"  # peft's name for the one adapter a model has
+
+_fingerprints: dict[tuple[str, int, int], str] = {}
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """True when ``path`` (local or fsspec) holds a peft adapter (``adapter_config.json``) rather than a full model."""
+    fs, p = fsspec.core.url_to_fs(os.fspath(path))
+    return fs.exists(f"{p.rstrip('/')}/{ADAPTER_CONFIG}")
+
+
+def read_base(adapter_dir: str | os.PathLike) -> dict:
+    """``{"path", "sha256"}`` of the base model an adapter folder was trained on.
+
+    Raises:
+        FileNotFoundError: the folder has no ``base_model.json`` (a peft adapter not written by rlflow); the message
+            names the fix.
+    """
+    path = f"{os.fspath(adapter_dir).rstrip('/')}/{BASE_MODEL_FILE}"
+    try:
+        with fsspec.open(path, "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{adapter_dir} holds a LoRA adapter but no {BASE_MODEL_FILE}, so its base model is unknown. Fix: write "
+            f'{{"path": "<the base model folder>"}} into {path}'
+        ) from None
+
+
+def weights_fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 over a model folder's ``*.safetensors`` files (name and bytes, in name order), cached per file
+    size and modification time: what pins an adapter to the base it was trained on."""
+    folder = Path(model_dir)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to fingerprint")
+    key = (str(folder.resolve()), sum(f.stat().st_size for f in files), max(f.stat().st_mtime_ns for f in files))
+    if key not in _fingerprints:
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(file.name.encode())
+            with file.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+        _fingerprints[key] = digest.hexdigest()
+    return _fingerprints[key]
+
+
+def lora_config(rank: int, alpha: float, dropout: float, target_modules: list[str] | str):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_adapter(model, config):
+    """A new, trainable adapter on ``model`` (peft initialises ``lora_B`` to zero: the policy starts as the base)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, config)
+
+
+def load_adapter(model, adapter_dir: str, *, trainable: bool):
+    """The adapter saved in ``adapter_dir`` on ``model`` (its base)."""
+    from peft import PeftModel
+
+    from rlworkers.storage import local_dir
+
+    with local_dir(adapter_dir) as folder:
+        return PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+
+
+def adapter_settings(adapter_dir: str) -> dict:
+    """rank, alpha, dropout and target modules of a saved adapter, with ``actor.lora``'s names."""
+    with fsspec.open(f"{adapter_dir.rstrip('/')}/{ADAPTER_CONFIG}", "r") as f:
+        saved = json.load(f)
+    targets = saved.get("target_modules")
+    return {
+        "rank": saved["r"],
+        "alpha": saved["lora_alpha"],
+        "dropout": saved.get("lora_dropout", 0.0),
+        "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+    }
+
+
+def check_settings(adapter_dir: str, settings) -> None:
+    """Refuse to train the adapter in ``adapter_dir`` further under other ``actor.lora`` settings.
+
+    Raises:
+        ValueError: names each field that differs and the fix.
+    """
+    saved = adapter_settings(adapter_dir)
+    wanted = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout}
+    if settings.target_modules != "all-linear":  # peft saves all-linear as the module names it found
+        wanted["target_modules"] = sorted(settings.target_modules)
+    differ = [f"actor.lora.{k}={v!r} but the adapter has {saved[k]!r}" for k, v in wanted.items() if saved[k] != v]
+    if differ:
+        raise ValueError(
+            f"model.path {adapter_dir} is a LoRA adapter trained with other settings: {'; '.join(differ)}. Fix: set "
+            "actor.lora to the adapter's settings to train it further, or start from its base model"
+        )
+
+
+def load_adapter_weights(model, adapter_dir: str) -> None:
+    """Set ``model``'s adapter to the weights saved in ``adapter_dir`` (safetensors: no code runs on load).
+
+    Raises:
+        ValueError: the saved adapter does not fit the model's (other rank or target modules).
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load
+
+    with fsspec.open(f"{adapter_dir.rstrip('/')}/{ADAPTER_WEIGHTS}", "rb") as f:
+        weights = load(f.read())
+    expected = {k for k in model.state_dict() if "lora_" in k}
+    try:
+        result = set_peft_model_state_dict(model, weights)
+    except RuntimeError as error:  # size mismatch
+        raise ValueError(f"{adapter_dir}: the adapter does not fit this model's ({error})") from None
+    missing = [k for k in result.missing_keys if k in expected]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{adapter_dir}: the adapter does not fit this model's (missing {missing[:5]}, unexpected "
+            f"{list(result.unexpected_keys)[:5]})"
+        )
+
+
+@torch.no_grad()
+def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the full model with the adapter merged in, one at a time, under the base model's own names
+    (what vLLM's loader and a plain model's ``load_state_dict`` take); a model without an adapter yields its
+    ``state_dict()``. The base weights are not modified."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(model, PeftModel):
+        yield from model.state_dict().items()
+        return
+    base = model.get_base_model()
+    adapted = {
+        f"{name}.base_layer.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A
+    }
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if name in adapted:
+            tensor = tensor + adapted[name].get_delta_weight(ADAPTER_NAME)
+        yield name.replace(".base_layer.", "."), tensor
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    return dict(merged_weights(model))
+
+
+def save_adapter(model, tokenizer, folder: str, base: dict) -> None:
+    """peft's adapter files, the tokenizer and ``base_model.json`` as one folder on any fsspec path."""
+    from rlworkers.storage import staged_dir
+
+    with staged_dir(folder) as local:
+        model.save_pretrained(local, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(local)
+        Path(local, BASE_MODEL_FILE).write_text(json.dumps(base, indent=2) + "\n")
+
+
+def save_merged(model, tokenizer, folder: str) -> None:
+    """The adapter merged into a copy of the base (``merge_and_unload``: the same sums as ``merged_state_dict``),
+    saved as a plain HF model folder."""
+    import copy
+
+    from rlworkers.storage import staged_dir
+
+    plain = copy.deepcopy(model).merge_and_unload()
+    with staged_dir(folder) as local:
+        plain.save_pretrained(local, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(local)
