@@ -44,7 +44,8 @@ from rlworkers.data.batching import TokenCache, decode_responses, prompt_batch, 
 from rlworkers.data.chat import conversation_as_prompt
 from rlworkers.data.datasets import PromptDataLoader, load_prompt_dataset
 from rlworkers.data.synthetic import ensure_addition_dataset
-from rlworkers.models.loading import load_tokenizer, resolve_model_path
+from rlworkers.models import lora
+from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_model_path
 from rlworkers.single_controller import PlacementError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.storage import is_remote, storage_env
@@ -656,6 +657,8 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
             "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
         )
     run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
+    if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
+        lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
     run.groups = _build_groups(config, roles, record.model_dir)
     if resume:
         _restore(run, resume[0], state)
@@ -710,9 +713,6 @@ def check_checkpoint_fits(
 
 
 def _lora_base_problems(adapter_dir: str, start_model: str) -> list[str]:
-    from rlworkers.models import lora
-    from rlworkers.models.loading import base_model_path, resolve_model_path
-
     saved = lora.read_base(adapter_dir).get("sha256")
     base = base_model_path(resolve_model_path(start_model))
     if saved and lora.weights_fingerprint(base) != saved:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,15 @@ def test_an_adapter_folder_loads_as_one_model(base_dir, tmp_path):
     assert torch.allclose(logits(one_model, load_tokenizer(folder)), logits(model, tokenizer), atol=1e-5)
 
 
+def test_a_peft_adapter_from_elsewhere_loads_on_the_base_it_names(base_dir, tmp_path):
+    model, tokenizer = adapted(base_dir), load_tokenizer(base_dir)
+    model.save_pretrained(tmp_path / "peft-adapter")  # peft alone: base_model_name_or_path, no base_model.json
+    assert lora.read_base(tmp_path / "peft-adapter") == {"path": base_dir}
+    assert torch.allclose(
+        logits(load_model(str(tmp_path / "peft-adapter")), tokenizer), logits(model, tokenizer), atol=1e-5
+    )
+
+
 def test_an_adapter_refuses_a_base_whose_weights_changed(base_dir, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(base_dir, base)
@@ -111,6 +121,17 @@ def test_training_a_saved_adapter_further_needs_its_settings(base_dir, tmp_path)
     lora.check_settings(folder, LoraConfig(**LORA))
     with pytest.raises(ValueError, match=r"actor.lora.rank=8 but the adapter has 4"):
         lora.check_settings(folder, LoraConfig(rank=8, alpha=8.0))
+
+
+def test_target_modules_the_model_lacks_are_refused_before_anything_starts(base_dir, tmp_path):
+    lora.check_fits(base_dir, LoraConfig(rank=4, target_modules=["q_proj", "self_attn.v_proj"]))  # peft's matching
+    with pytest.raises(ValueError, match=r"actor.lora.target_modules names \['qkv_proj'\].*'q_proj'"):
+        lora.check_fits(base_dir, LoraConfig(rank=4, target_modules=["q_proj", "qkv_proj"]))
+    folder = str(tmp_path / "adapter")
+    lora.save_adapter(adapted(base_dir), None, folder, {"path": base_dir})
+    with pytest.raises(ValueError, match="actor.lora.alpha=16.0 but the adapter has 8.0"):
+        lora.check_fits(folder, LoraConfig(rank=4))
+    lora.check_fits(folder, LoraConfig())  # no adapter wanted: an adapter start model loads merged
 
 
 # ---------------------------------------------------------------------------------------------- worker groups
@@ -314,3 +335,33 @@ def test_a_lineage_registers_adapters_and_the_next_run_trains_the_champion_furth
     assert "model" in {a.path for a in client.list_artifacts(runs[0].info.run_id)}  # the adapter, as files
     merged_uri = runs[0].data.tags["final_merged_model_uri"]
     assert mlflow.models.get_model_info(merged_uri).flavors.keys() >= {"transformers"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["sft", "ppo", "online_dpo"])
+def test_the_other_flows_train_an_adapter(flow_env, algorithm):
+    import uuid
+
+    from flows.online_dpo import online_dpo
+    from flows.ppo import ppo
+    from flows.runtime import ray_task_runner
+    from flows.sft import sft
+
+    name = f"lora-{algorithm}-{uuid.uuid4().hex[:6]}"
+    extra = {"sft": ["data.train_batch_size=16"], "ppo": ["algorithm.adv_estimator=gae"], "online_dpo": []}[algorithm]
+    config = lora_grpo_config(
+        flow_env,
+        f"trainer.run_name={name}",
+        "critic.ppo_mini_batch_size=32",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+        "trainer.save_freq=2",
+        *extra,
+    )
+    flow = {"sft": sft, "ppo": ppo, "online_dpo": online_dpo}[algorithm]
+    state = flow.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
+    assert state.is_completed(), state.message
+    trained = adapter_at(flow_env, name, 2)
+    assert trained and all("lora_" in k for k in trained)
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # B starts at zero: it trained
+    if algorithm == "ppo":  # the critic trains a whole model of its own (started from the base)
+        assert (Path(flow_env["runs"]) / name / "checkpoints" / "step_2" / "critic" / "model.safetensors").exists()

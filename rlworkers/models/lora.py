@@ -17,7 +17,8 @@ An *adapter folder* is what the actor saves (checkpoints, the final model, a lin
 ``load_model`` loads an adapter folder as one model (base + adapter, merged), so a folder or a
 ``models:/<lineage>@champion`` that holds an adapter works everywhere ``model.path`` is accepted; a LoRA actor
 started from one continues training that adapter. A checkpoint whose base fingerprint differs from the run's base is
-refused (``base_mismatch``).
+refused before any worker starts (``flows.runtime.check_checkpoint_fits``: ``CheckpointMismatch``). A peft adapter
+from elsewhere (no ``base_model.json``) names its base in peft's ``base_model_name_or_path``, unpinned.
 """
 
 from __future__ import annotations
@@ -46,21 +47,27 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
 
 
 def read_base(adapter_dir: str | os.PathLike) -> dict:
-    """``{"path", "sha256"}`` of the base model an adapter folder was trained on.
+    """``{"path", "sha256"}`` of the base model an adapter folder was trained on; for a peft adapter not written by
+    rlflow, ``{"path": base_model_name_or_path}`` of its ``adapter_config.json`` (no fingerprint to check).
 
     Raises:
-        FileNotFoundError: the folder has no ``base_model.json`` (a peft adapter not written by rlflow); the message
-            names the fix.
+        FileNotFoundError: neither names the base; the message names the fix.
     """
-    path = f"{os.fspath(adapter_dir).rstrip('/')}/{BASE_MODEL_FILE}"
+    folder = os.fspath(adapter_dir).rstrip("/")
     try:
-        with fsspec.open(path, "r") as f:
+        with fsspec.open(f"{folder}/{BASE_MODEL_FILE}", "r") as f:
             return json.load(f)
     except FileNotFoundError:
+        pass
+    with fsspec.open(f"{folder}/{ADAPTER_CONFIG}", "r") as f:
+        named = json.load(f).get("base_model_name_or_path")
+    if not named:
         raise FileNotFoundError(
-            f"{adapter_dir} holds a LoRA adapter but no {BASE_MODEL_FILE}, so its base model is unknown. Fix: write "
-            f'{{"path": "<the base model folder>"}} into {path}'
-        ) from None
+            f"{adapter_dir} holds a LoRA adapter that names no base model (no {BASE_MODEL_FILE}, no "
+            f'base_model_name_or_path in {ADAPTER_CONFIG}). Fix: write {{"path": "<the base model>"}} into '
+            f"{folder}/{BASE_MODEL_FILE}"
+        )
+    return {"path": named}
 
 
 def weights_fingerprint(model_dir: str | os.PathLike) -> str:
@@ -141,6 +148,40 @@ def check_settings(adapter_dir: str, settings) -> None:
             f"model.path {adapter_dir} is a LoRA adapter trained with other settings: {'; '.join(differ)}. Fix: set "
             "actor.lora to the adapter's settings to train it further, or start from its base model"
         )
+
+
+def check_fits(model_dir: str, settings) -> None:
+    """Before any worker starts: the modules ``actor.lora.target_modules`` names exist in the model (as peft matches
+    them: a module's name, or the end of its dotted path), and a start model that is an adapter was trained with
+    ``actor.lora``'s settings (``check_settings``).
+
+    Raises:
+        ValueError: names the field, what the model has, and the fix.
+    """
+    if not settings.enabled:
+        return
+    if is_adapter_folder(model_dir):
+        check_settings(model_dir, settings)
+        return
+    if settings.target_modules == "all-linear":
+        return
+    names = linear_module_names(model_dir)
+    unknown = [t for t in settings.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unknown:
+        short = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ValueError(
+            f"actor.lora.target_modules names {unknown}, which the model in {model_dir} does not have. Fix: pick "
+            f"from its linear layers {short}, or use all-linear"
+        )
+
+
+def linear_module_names(model_dir: str) -> list[str]:
+    """Dotted names of the model's ``nn.Linear`` modules, from its config alone (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
 def load_adapter_weights(model, adapter_dir: str) -> None:

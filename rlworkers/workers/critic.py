@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from rlworkers.algorithms.core_algos import compute_value_loss, masked_mean
-from rlworkers.models.loading import resolve_model_path, torch_dtype
+from rlworkers.models.loading import base_model_path, resolve_model_path, torch_dtype
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers import common
@@ -43,7 +43,7 @@ class CriticWorker(Worker):
         common.seed_everything(self.seed)  # the new value head starts identical on every rank
         from transformers import AutoModelForTokenClassification  # after rlworkers.models: see its __init__
 
-        path = resolve_model_path(self.model_config.path)
+        path = base_model_path(resolve_model_path(self.model_config.path))  # a LoRA adapter's critic starts at its base
         self.model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=1, dtype=torch_dtype(self.model_config.dtype)
         ).to(self.device)
