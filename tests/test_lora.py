@@ -95,6 +95,18 @@ def test_a_peft_adapter_from_elsewhere_loads_on_the_base_it_names(base_dir, tmp_
     )
 
 
+def test_a_base_missing_here_is_built_when_named_and_named_in_the_error_otherwise(base_dir, tmp_path):
+    import json
+
+    from rlworkers.models.loading import base_model_path, default_tiny_model_dir
+
+    folder = tmp_path / "adapter"
+    lora.save_adapter(adapted(base_dir), None, str(folder), {"path": str(tmp_path / "gone")})
+    with pytest.raises(FileNotFoundError, match=r"not on this machine. Fix: put that model there"):
+        base_model_path(str(folder))
+    (folder / lora.BASE_MODEL_FILE).write_text(json.dumps({"path": str(tmp_path / "gone"), "name": "tiny"}))
+    assert base_model_path(str(folder)) == str(ensure_tiny_model(default_tiny_model_dir()))
+
 def test_an_adapter_refuses_a_base_whose_weights_changed(base_dir, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(base_dir, base)

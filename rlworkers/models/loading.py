@@ -129,16 +129,26 @@ def load_model(
 
 def base_model_path(path: str) -> str:
     """The full model under a resolved model folder: itself, or for a LoRA adapter folder the local folder of its
-    base, checked against the fingerprint the adapter recorded.
+    base (a named base, ``tiny`` or ``smollm2-135m-instruct``, is built here if this machine lacks its folder),
+    checked against the fingerprint the adapter recorded.
 
     Raises:
+        FileNotFoundError: the base's folder is not on this machine (and it is not a named model).
         ValueError: the base's weights differ from the ones the adapter was trained on.
     """
     if not lora.is_adapter_folder(path):
         return path
     adapter_dir = path
     base = lora.read_base(adapter_dir)
-    path = resolve_model_path(base["path"])
+    path = base["path"]
+    if not is_remote(path) and not os.path.isdir(path):
+        if not base.get("name"):
+            raise FileNotFoundError(
+                f"{adapter_dir} is a LoRA adapter of the model in {path}, which is not on this machine. Fix: put that "
+                f"model there, or set its folder in {adapter_dir}/{lora.BASE_MODEL_FILE}"
+            )
+        path = base["name"]
+    path = resolve_model_path(path)
     if base.get("sha256") and lora.weights_fingerprint(path) != base["sha256"]:
         raise ValueError(
             f"{adapter_dir} is a LoRA adapter of the model in {base['path']}, but the weights there are not the ones "
@@ -146,6 +156,14 @@ def base_model_path(path: str) -> str:
             f"{base['sha256'][:12]}...). Fix: restore that base model, or train a new adapter on this one"
         )
     return path
+
+
+def named_model(path: str) -> str | None:
+    """The name (``tiny``, ``smollm2-135m-instruct``) whose default folder ``path`` is, else None: what an adapter
+    records beside its base's folder, so another machine can build the same base."""
+    defaults = {TINY_MODEL_NAME: default_tiny_model_dir(), SMOLLM2_MODEL_NAME: default_smollm2_model_dir()}
+    here = os.path.realpath(path)
+    return next((name for name, folder in defaults.items() if os.path.realpath(folder) == here), None)
 
 
 def load_model_and_tokenizer(

@@ -24,7 +24,14 @@ import torch
 
 from rlworkers.algorithms import core_algos
 from rlworkers.models import lora
-from rlworkers.models.loading import base_model_path, load_model, load_tokenizer, resolve_model_path, torch_dtype
+from rlworkers.models.loading import (
+    base_model_path,
+    load_model,
+    load_tokenizer,
+    named_model,
+    resolve_model_path,
+    torch_dtype,
+)
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers import common
@@ -306,6 +313,8 @@ class ActorRolloutRefWorker(Worker):
             lora.save_merged(model, self.tokenizer, path)
         else:
             base = {"path": self.base_path, "sha256": lora.weights_fingerprint(self.base_path)}
+            if named_model(self.base_path):
+                base["name"] = named_model(self.base_path)
             lora.save_adapter(model, self.tokenizer, path, base)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
