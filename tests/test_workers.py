@@ -136,6 +136,32 @@ def test_sft_lowers_loss(tiny_path):
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3])
 
 
+def test_bf16_autocast_computes_in_bf16_over_float32_weights(tiny_path):
+    """model.autocast=bfloat16: log-probs move by bf16 rounding (not more), the weights and AdamW's state stay float32,
+    and SFT under it learns as float32 does."""
+    config = worker_config(tiny_path, actor={"ppo_mini_batch_size": 32, "ppo_micro_batch_size_per_gpu": 32})
+    plain = ActorRolloutRefWorker(config)
+    mixed = ActorRolloutRefWorker(
+        config.model_copy(update={"model": config.model.model_copy(update={"autocast": "bfloat16"})})
+    )
+    plain.init_model()
+    mixed.init_model()
+    out = generated(mixed, n_prompts=8, n=2)
+    mask = out.batch["response_mask"].bool()
+    gap = mixed.compute_log_prob(out).batch["old_log_probs"] - plain.compute_log_prob(out).batch["old_log_probs"]
+    assert 1e-4 < gap[mask].abs().max() < 0.2, gap[mask].abs().max()  # bf16 compute, same weights
+    rng = random.Random(0)
+    losses = [
+        mixed.sft_step(sft_batch(rng.sample(ROWS["train"], 32), mixed.tokenizer)).meta_info["metrics"]["sft/loss"]
+        for _ in range(40)
+    ]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3])
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    assert all(v.dtype == torch.float32 for state in mixed.optimizer.state.values() for v in state.values() if v.dim())
+    with pytest.raises(ValueError, match="model.autocast=bfloat16 computes in bfloat16 over float32 weights"):
+        worker_config(tiny_path, model={"dtype": "bfloat16", "autocast": "bfloat16"})
+
+
 def test_sft_batch_masks_only_the_answer(worker):
     data = sft_batch([{"prompt": "1+2=", "response": "3"}], worker.tokenizer)
     tokens = data.batch["input_ids"][0][data.batch["loss_mask"][0].bool()].tolist()

@@ -114,7 +114,9 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """``input_ids``/``attention_mask`` of left-padded prompts -> sampled responses (see ``rollout``)."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
-        return self.rollout.generate_sequences(common.to_device(prompts, self.device)).to("cpu")
+        hf = self.config.rollout.name == "hf"  # vLLM runs its own kernels in the model's dtype
+        with self._autocast() if hf else contextlib.nullcontext():
+            return self.rollout.generate_sequences(common.to_device(prompts, self.device)).to("cpu")
 
     # ------------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -122,13 +124,14 @@ class ActorRolloutRefWorker(Worker):
         """``old_log_probs [B, R]`` and ``entropys [B, R]`` of ``responses`` under the current actor."""
         self._require(self._is_actor, "compute_log_prob", "actor")
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        log_probs, entropy = common.response_log_probs(
-            self.model,
-            common.to_device(data, self.device),
-            temperature,
-            self.config.rollout.log_prob_micro_batch_size_per_gpu,
-            with_entropy=True,
-        )
+        with self._autocast():
+            log_probs, entropy = common.response_log_probs(
+                self.model,
+                common.to_device(data, self.device),
+                temperature,
+                self.config.rollout.log_prob_micro_batch_size_per_gpu,
+                with_entropy=True,
+            )
         return DataProto.from_dict(
             {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": temperature}
         ).to("cpu")
@@ -138,11 +141,18 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob [B, R]`` under the frozen reference policy."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
         temperature = data.meta_info.get("temperature", self.config.rollout.temperature)
-        with self._reference() as reference:
+        with self._reference() as reference, self._autocast():
             log_probs, _ = common.response_log_probs(
                 reference, common.to_device(data, self.device), temperature, self.config.ref_micro_batch_size_per_gpu
             )
         return DataProto.from_dict({"ref_log_prob": log_probs}).to("cpu")
+
+    def _autocast(self):
+        """``model.autocast``: forward passes in bf16/fp16 over the float32 weights (mixed precision), else nothing."""
+        dtype = self.config.model.autocast
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch_dtype(dtype))
 
     @contextlib.contextmanager
     def _reference(self):
@@ -175,7 +185,8 @@ class ActorRolloutRefWorker(Worker):
                 micros = mini.split(cfg.ppo_micro_batch_size_per_gpu)
                 for i, micro in enumerate(micros):
                     with self._maybe_no_sync(last=i == len(micros) - 1):
-                        loss, stats = self._policy_loss(micro, temperature)
+                        with self._autocast():
+                            loss, stats = self._policy_loss(micro, temperature)
                         (loss * len(micro) / len(mini)).backward()
                     for key, value in stats.items():
                         metrics[key].append(value)
@@ -233,7 +244,8 @@ class ActorRolloutRefWorker(Worker):
             batch = micro.batch
             mask = batch["response_mask"].float()
             with self._maybe_no_sync(last=i == len(micros) - 1):
-                logits = common.response_logits(self.module, batch, temperature)
+                with self._autocast():
+                    logits = common.response_logits(self.module, batch, temperature)
                 seq_logp = (common.logprobs_from_logits(logits, batch["responses"]) * mask).sum(-1)
                 ref_logp = (batch["ref_log_prob"] * mask).sum(-1)
                 loss, stats = core_algos.compute_dpo_loss(
@@ -264,12 +276,13 @@ class ActorRolloutRefWorker(Worker):
         for i, micro in enumerate(micros):
             batch = micro.batch
             with self._maybe_no_sync(last=i == len(micros) - 1):
-                logits = self.module(
-                    input_ids=batch["input_ids"],
-                    attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"],
-                    use_cache=False,
-                ).logits[:, :-1]
+                with self._autocast():
+                    logits = self.module(
+                        input_ids=batch["input_ids"],
+                        attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"],
+                        use_cache=False,
+                    ).logits[:, :-1]
                 nll = -common.logprobs_from_logits(logits, batch["input_ids"][:, 1:])
                 loss = (nll * batch["loss_mask"][:, 1:]).sum() / total_tokens
                 loss.backward()

@@ -19,8 +19,22 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     path: str = Field("tiny", description="HF model path or hub name; 'tiny' creates the offline tiny Llama")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    autocast: Literal["bfloat16", "float16"] | None = Field(
+        None,
+        description="the actor's mixed precision: forward passes (HF generation, log-probs, the update) under "
+        "torch.autocast in this dtype, weights and optimizer state in float32 (model.dtype)",
+    )
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check_autocast(self):
+        if self.autocast and self.dtype != "float32":
+            raise ValueError(
+                f"model.autocast={self.autocast} computes in {self.autocast} over float32 weights; model.dtype is "
+                f"{self.dtype}. Fix: set model.dtype=float32 (mixed precision), or drop model.autocast"
+            )
+        return self
 
 
 class OptimConfig(_Frozen):
