@@ -107,6 +107,7 @@ def test_a_base_missing_here_is_built_when_named_and_named_in_the_error_otherwis
     (folder / lora.BASE_MODEL_FILE).write_text(json.dumps({"path": str(tmp_path / "gone"), "name": "tiny"}))
     assert base_model_path(str(folder)) == str(ensure_tiny_model(default_tiny_model_dir()))
 
+
 def test_an_adapter_refuses_a_base_whose_weights_changed(base_dir, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(base_dir, base)
