@@ -118,6 +118,68 @@ def runs(
             f"{base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
         )
     console.print(table)
+    if lineage:
+        _print_champion_history(client, lineage)
+
+
+def _print_champion_history(client, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from flows.lineage import champion_history
+
+    try:
+        moves = champion_history(client, name)
+    except MlflowException:  # no registered model (yet) under the lineage's name
+        return
+    history = Table(title=f"{name}: champion history (oldest first)")
+    for column in ("when (UTC)", "alias", "version", "before", "how", "reason"):
+        history.add_column(column, overflow="fold")
+    for move in moves:
+        before = f"v{move['previous']}" if move["previous"] else ""
+        history.add_row(move["at"], move["alias"], f"v{move['version']}", before, move["how"], move["reason"])
+    console.print(history)
+
+
+@app.command()
+def promote(
+    lineage: str = typer.Argument(..., help="the lineage (its registered model's name)"),
+    version: str = typer.Option(..., "--version", help="the model version to make the champion"),
+    reason: str = typer.Option(..., "--reason", help="why (recorded on the version and in the history)"),
+    alias: str = typer.Option("champion", help="the alias to move (trainer.promotion_alias)"),
+) -> None:
+    """Make a model version the lineage's champion by hand; the next run starts from it."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.lineage import ModelReferenceError, promote_by_hand
+
+    use_running_services()
+    try:
+        move = promote_by_hand(MlflowClient(), lineage, alias=alias, version=version, reason=reason)
+    except ModelReferenceError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"{lineage}@{alias}: v{move['previous']} -> v{move['version']} ({reason})")
+
+
+@app.command()
+def rollback(
+    lineage: str = typer.Argument(..., help="the lineage (its registered model's name)"),
+    reason: str = typer.Option(..., "--reason", help="why (recorded on the version left and in the history)"),
+    alias: str = typer.Option("champion", help="the alias to move back (trainer.promotion_alias)"),
+) -> None:
+    """Move the lineage's champion back to the version it was before; the next run starts from that one."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.lineage import ModelReferenceError
+    from flows.lineage import rollback as roll_back
+
+    use_running_services()
+    try:
+        move = roll_back(MlflowClient(), lineage, alias, reason)
+    except ModelReferenceError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"{lineage}@{alias}: v{move['previous']} -> v{move['version']} ({move['how']}: {reason})")
 
 
 @app.command()

@@ -20,6 +20,7 @@ silent success, unless ``trainer.republish`` asks to publish it again.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -301,17 +302,108 @@ def promote(
     Tags the version with its score and the decision (``rejected`` holds both scores). Returns the decision."""
     client.set_model_version_tag(name, version, "rlflow.val_score", f"{score:.6g}")
     if baseline is None or score >= baseline - tolerance:
-        client.set_registered_model_alias(name, alias, version)
         reason = (
             f"val/score/mean {score:.4g} >= {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
             if baseline is not None
             else f"val/score/mean {score:.4g}; first version"
         )
+        move_champion(client, name, alias, version, "promoted by its run", reason)
         client.set_model_version_tag(name, version, "rlflow.promoted", reason)
         return {"promoted": True, "reason": reason}
     reason = f"val/score/mean {score:.4g} < {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
     client.set_model_version_tag(name, version, "rejected", reason)
     return {"promoted": False, "reason": reason}
+
+
+CHAMPION_HISTORY_TAG = "rlflow.champion_history"  # on the registered model: the alias's moves, oldest first
+TAG_VALUE_LIMIT = 5000  # MLflow's limit on a tag's value: the oldest moves are dropped to fit
+
+
+def move_champion(client, name: str, alias: str, version: str, how: str, reason: str) -> dict:
+    """Point ``alias`` at ``version`` and append the move to the registered model's champion history (the one way the
+    alias moves: a run's promotion, ``rlflow promote``, ``rlflow rollback``). Returns the history entry."""
+    previous = champion_version(client, name, alias)
+    client.set_registered_model_alias(name, alias, str(version))
+    entry = {
+        "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "alias": alias,
+        "version": str(version),
+        "previous": previous.version if previous is not None else None,
+        "how": how,
+        "reason": reason,
+    }
+    history = champion_history(client, name) + [entry]
+    while len(json.dumps(history)) > TAG_VALUE_LIMIT and len(history) > 1:
+        history.pop(0)
+    client.set_registered_model_tag(name, CHAMPION_HISTORY_TAG, json.dumps(history))
+    return entry
+
+
+def champion_history(client, name: str) -> list[dict]:
+    """Every move of the lineage's alias, oldest first (empty for a model registered before the history existed)."""
+    tags = client.get_registered_model(name).tags or {}
+    return json.loads(tags.get(CHAMPION_HISTORY_TAG, "[]"))
+
+
+def promote_by_hand(client, name: str, alias: str, version: str, reason: str) -> dict:
+    """``rlflow promote``: make ``version`` the champion whatever the gate said, recording who decided why.
+
+    Raises:
+        ModelReferenceError: the registered model or the version does not exist.
+    """
+    _require_version(client, name, version)
+    client.set_model_version_tag(name, version, "rlflow.promoted", f"by hand: {reason}")
+    return move_champion(client, name, alias, version, "promoted by hand", reason)
+
+
+def rollback(client, name: str, alias: str, reason: str) -> dict:
+    """``rlflow rollback``: move ``alias`` back to the champion before the current one (the newest in the champion
+    history that is not the current version and was never rolled back; for a lineage without a history, the newest
+    earlier version that was promoted), tagging the version it leaves ``rlflow.rolled_back`` with ``reason``. A
+    second rollback goes further back, never forth.
+
+    Raises:
+        ModelReferenceError: the lineage has no champion, or no earlier champion to go back to.
+    """
+    current = champion_version(client, name, alias)
+    if current is None:
+        raise ModelReferenceError(f"{name} has no @{alias}: nothing to roll back")
+    rolled_back = {
+        v.version for v in client.search_model_versions(f"name = '{name}'") if "rlflow.rolled_back" in (v.tags or {})
+    }
+    earlier = [  # the champions before the current one, newest first, from the history
+        version
+        for move in reversed([m for m in champion_history(client, name) if m["alias"] == alias])
+        for version in (move["version"], move["previous"])
+        if version and version != current.version and version not in rolled_back
+    ]
+    if not earlier:  # no history (a lineage from before it was kept): the newest earlier promoted version
+        earlier = [
+            v.version
+            for v in sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: -int(v.version))
+            if int(v.version) < int(current.version)
+            and "rlflow.promoted" in (v.tags or {})
+            and v.version not in rolled_back
+        ]
+    if not earlier:
+        raise ModelReferenceError(
+            f"{name}@{alias} is v{current.version}, and no earlier version was champion (or all were rolled back)"
+        )
+    target = earlier[0]
+    client.set_model_version_tag(name, current.version, "rlflow.rolled_back", reason)
+    return move_champion(client, name, alias, target, f"rolled back from v{current.version}", reason)
+
+
+def _require_version(client, name: str, version: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_model_version(name, str(version))
+    except MlflowException:
+        existing = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise ModelReferenceError(
+            f"{name} has no version {version}" + (f"; its versions: {existing}" if existing else " (no such model)")
+        ) from None
 
 
 def champion_score(client, name: str, alias: str) -> tuple[float | None, str]:

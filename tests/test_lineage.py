@@ -224,3 +224,55 @@ def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_r
         text = browser.open(f"{services['mlflow_ui']}/#/models/{lineage}", "Version 2", timeout_s=60)
         assert "Version 1" in text and "champion" in text
         browser.screenshot("mlflow-registered-model")
+
+
+def test_promote_by_hand_and_rollback_move_the_champion_with_their_reasons(env, lineage_runs):
+    """v2 of the fixture's lineage was rejected by the gate: a person promotes it anyway, then rolls back to the
+    champion before it; rolling back again goes further back, never forth to v2. Every move is in the history
+    `rlflow runs --lineage` prints. (Earlier tests may have moved the champion: the test starts from whatever it is.)"""
+    from flows.lineage import champion_history
+
+    lineage, _ = lineage_runs
+    client = MlflowClient()
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "flows.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "COLUMNS": "300"},
+        )
+
+    def champion() -> str:
+        return client.get_model_version_by_alias(lineage, "champion").version
+
+    before, moves = champion(), len(champion_history(client, lineage))
+    assert before != "2" and champion_history(client, lineage)[0]["how"] == "promoted by its run"
+    missing = cli("promote", lineage, "--version", "99", "--reason", "typo")
+    assert missing.returncode == 1 and "has no version 99" in missing.stdout and "[1, 2" in missing.stdout
+    promoted = cli("promote", lineage, "--version", "2", "--reason", "better on the new eval set")
+    assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+    assert champion() == "2"
+    assert client.get_model_version(lineage, "2").tags["rlflow.promoted"] == "by hand: better on the new eval set"
+
+    rolled = cli("rollback", lineage, "--reason", "answers got worse in review")
+    assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+    assert champion() == before
+    assert client.get_model_version(lineage, "2").tags["rlflow.rolled_back"] == "answers got worse in review"
+    history = champion_history(client, lineage)
+    assert [(m["version"], m["previous"], m["how"]) for m in history[moves:]] == [
+        ("2", before, "promoted by hand"),
+        (before, "2", "rolled back from v2"),
+    ]
+    earlier = [m["version"] for m in history[:moves] if m["version"] != before]
+    again = cli("rollback", lineage, "--reason", "once more")
+    if earlier:  # further back, to the newest earlier champion
+        assert again.returncode == 0 and champion() == earlier[-1], again.stdout
+    else:
+        assert again.returncode == 1 and "no earlier version was champion" in again.stdout
+        assert champion() == before  # nothing moved
+    assert champion() != "2"
+    listed = cli("runs", "--lineage", lineage)
+    assert listed.returncode == 0 and "champion history" in listed.stdout
+    assert "rolled back from v2" in listed.stdout and "answers got worse in review" in listed.stdout
