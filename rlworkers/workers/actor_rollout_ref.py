@@ -326,8 +326,9 @@ class ActorRolloutRefWorker(Worker):
             lora.save_merged(model, self.tokenizer, path)
         else:
             base = {"path": self.base_path, "sha256": lora.weights_fingerprint(self.base_path)}
-            if named_model(self.base_path):
-                base["name"] = named_model(self.base_path)
+            name = named_model(self.base_path)
+            if name:
+                base["name"] = name
             lora.save_adapter(model, self.tokenizer, path, base)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
