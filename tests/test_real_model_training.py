@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import shutil
 import uuid
 
 import pyarrow as pa
@@ -128,7 +129,8 @@ def verl_job(ray_cluster, services, tmp_path_factory):
             folder / f"{split}.parquet",
         )
     (folder / "reward.py").write_text(VERL_REWARD_FILE)
-    return folder
+    yield folder
+    shutil.rmtree(folder / "runs", ignore_errors=True)  # ~9 GB of SmolLM2 checkpoints
 
 
 def real_config(job, name: str, *extra: str):
