@@ -129,7 +129,14 @@ class TrainerConfig(_Frozen):
         "continues its data, then registers its model and promotes it if validation held",
     )
     promotion_alias: str = Field("champion", description="registry alias of a lineage's current model")
-    promotion_tolerance: float = Field(0.0, ge=0, description="largest val/score/mean drop that still promotes")
+    promotion: Literal["auto", "manual"] = Field(
+        "auto",
+        description="auto: the gate (eval.*) decides; manual: the flow run pauses after evaluation with an approve / "
+        "reject form in the Prefect UI, the gate's comparison beside it",
+    )
+    approval_timeout_s: float = Field(
+        24 * 3600.0, gt=0, description="trainer.promotion=manual: a run not approved within this long is rejected"
+    )
     republish: bool = Field(False, description="publish an already complete run again instead of failing")
     max_crash_restarts: int = Field(3, ge=0, description="automatic restarts of a crashed flow run (deployments)")
     total_steps: int = Field(20, gt=0)
@@ -192,6 +199,66 @@ class TrainerConfig(_Frozen):
         return self
 
 
+class EvalSetConfig(_Frozen):
+    """One held-out evaluation set: its rows, how each response is scored, how responses are decoded."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="names its metrics (eval/<name>/score/mean)")
+    files: str | list[str] | None = Field(
+        None, description="parquet/jsonl file or list; unset = the validation rows (data.val_files or the task's)"
+    )
+    scorer: str = Field(
+        "auto",
+        description="how a response scores, apart from the training reward: a registered rule, 'file.py:fn' or "
+        "'package.module:fn' (reward.reward_fn's forms); auto = the rule for each row's data_source",
+    )
+    max_examples: int | None = Field(None, gt=0, description="the first N rows (unset = all)")
+    decoding: Literal["greedy"] = Field("greedy", description="greedy: one deterministic response per example")
+
+    @field_validator("files")
+    @classmethod
+    def _one_or_many(cls, value):
+        return [value] if isinstance(value, str) else value
+
+
+class EvalConfig(_Frozen):
+    """Held-out evaluation of the start and the final model of every run, and the promotion gate that reads it.
+
+    With no ``sets``, the one set is ``validation``: the validation rows scored by the training reward."""
+
+    sets: list[EvalSetConfig] = Field(default_factory=list)
+    primary: str | None = Field(None, description="the set promotion is decided on (unset = the first)")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="of the paired bootstrap interval of the difference")
+    promote_if: Literal["better", "non_inferior"] = Field(
+        "better",
+        description="better: the whole interval of (candidate - champion) above 0; non_inferior: above -margin",
+    )
+    margin: float = Field(
+        0.02,
+        ge=0,
+        description="non-inferiority margin: against the lineage's best version always, against the champion with "
+        "promote_if=non_inferior",
+    )
+    hacking_threshold: float = Field(
+        0.02,
+        ge=0,
+        description="reward-hacking alarm: the training reward rose while the primary eval score fell by more "
+        "than this (the version is rejected)",
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.sets: two sets share a name ({names}); give each its own")
+        if self.primary is not None and self.primary not in (names or ["validation"]):
+            raise ValueError(f"eval.primary {self.primary!r} is not a set's name; the sets: {names or ['validation']}")
+        return self
+
+    @property
+    def primary_set(self) -> str:
+        return self.primary or (self.sets[0].name if self.sets else "validation")
+
+
 class CustomRewardFunctionConfig(_Frozen):
     """verl's ``custom_reward_function``: ``compute_score`` (or ``name``) from the file at ``path``, with verl's
     signature ``(data_source, solution_str, ground_truth, extra_info=None)`` or rlflow's batch one. It sets
@@ -212,7 +279,19 @@ class RLConfig(_Frozen):
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     custom_reward_function: CustomRewardFunctionConfig = CustomRewardFunctionConfig()
+    eval: EvalConfig = EvalConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_fields(cls, data):
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        if isinstance(trainer, dict) and "promotion_tolerance" in trainer:
+            raise ValueError(
+                "trainer.promotion_tolerance was replaced by the paired gate: eval.margin (a non-inferiority margin) "
+                "with eval.promote_if=non_inferior; remove trainer.promotion_tolerance"
+            )
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -9,8 +9,9 @@ moment; a *run* is one training job (``<runs_dir>/<run_name>/``: its checkpoints
   resume the same run;
 - it starts from the lineage's champion (``models:/<registered model>@<alias>``), or from ``model.path`` while the
   lineage has none; it continues the data cursor of the lineage's last finished run;
-- at the end it registers its model as a new version and moves the alias to it unless validation got worse than
-  the champion's by more than ``trainer.promotion_tolerance``; a rejected version is tagged with both scores.
+- at the end it registers its model as a new version and moves the alias to it when the promotion gate says so
+  (``flows/evaluation.py``: the final model against the champion *as it is then*, paired on the same held-out
+  examples); every version carries its eval results, the decision and the comparison.
 
 ``run.json`` (written by a run's first attempt, before any worker starts) pins what every later attempt must
 reuse: the resolved start model, the MLflow run, the parent run and the data cursor. ``result.json`` (written after
@@ -287,32 +288,82 @@ def continue_data_cursor(loader, cursor: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- promotion
-def promote(
-    client,
-    name: str,
-    version: str,
-    alias: str,
-    score: float,
-    baseline: float | None,
-    tolerance: float,
-    baseline_label: str,
-) -> dict:
-    """Move ``alias`` to ``version`` unless ``score`` is worse than ``baseline`` by more than ``tolerance``.
+EVAL_TAG = "rlflow.eval.{set}.{field}"  # on a model version: mean, n, fingerprint, results (an artifact path)
 
-    Tags the version with its score and the decision (``rejected`` holds both scores). Returns the decision."""
-    client.set_model_version_tag(name, version, "rlflow.val_score", f"{score:.6g}")
-    if baseline is None or score >= baseline - tolerance:
-        reason = (
-            f"val/score/mean {score:.4g} >= {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
-            if baseline is not None
-            else f"val/score/mean {score:.4g}; first version"
-        )
-        move_champion(client, name, alias, version, "promoted by its run", reason)
-        client.set_model_version_tag(name, version, "rlflow.promoted", reason)
-        return {"promoted": True, "reason": reason}
-    reason = f"val/score/mean {score:.4g} < {baseline_label} {baseline:.4g} - tolerance {tolerance:g}"
-    client.set_model_version_tag(name, version, "rejected", reason)
-    return {"promoted": False, "reason": reason}
+
+def record_decision(
+    client, name: str, version: str, alias: str, decision, results: dict, description: str, how: str
+) -> dict:
+    """Tag ``version`` with its eval results and the gate's decision, describe it, and move ``alias`` to it when
+    the decision promotes. ``results``: set name -> the version's ``EvalResults`` (final). Returns the decision."""
+    for result in results.values():
+        for field, value in (
+            ("mean", f"{result.mean:.6g}"),
+            ("n", str(len(result.rows))),
+            ("fingerprint", result.fingerprint),
+            ("results", f"eval/{result.set}/final.json"),
+        ):
+            client.set_model_version_tag(name, version, EVAL_TAG.format(set=result.set, field=field), value)
+    client.update_model_version(name, version, description=description)
+    if decision.hacking:
+        client.set_model_version_tag(name, version, "rlflow.reward_hacking", decision.hacking)
+    if decision.promote:
+        client.set_model_version_tag(name, version, "rlflow.promoted", decision.reason)
+        move_champion(client, name, alias, version, how, decision.reason)
+    else:
+        client.set_model_version_tag(name, version, "rejected", decision.reason)
+    return {"promoted": decision.promote, "reason": decision.reason}
+
+
+def version_results(client, version, set_name: str, fingerprint: str):
+    """A registered version's own final results on ``set_name``, read from its run's MLflow table; ``None`` when
+    it has none made with ``fingerprint`` (other examples or settings)."""
+    from flows.evaluation import results_from_table
+
+    tags = version.tags or {}
+    if tags.get(EVAL_TAG.format(set=set_name, field="fingerprint")) != fingerprint or not version.run_id:
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        path = client.download_artifacts(version.run_id, tags[EVAL_TAG.format(set=set_name, field="results")], folder)
+        with open(path) as f:
+            table = json.load(f)
+    return results_from_table(table, set_name, "final", fingerprint, f"models:/{version.name}/{version.version}")
+
+
+def gate_baselines(client, name: str, alias: str, candidate, start, started_from: str):
+    """What the gate compares ``candidate`` (final ``EvalResults``) with: the champion as it is now, as (label,
+    results or ``None``), and the lineage's best version when it is not the champion and scored higher, as (label,
+    results); ``None`` where there is none. A run that started from the current champion has the champion's
+    results already: its ``start`` results (same run, same machine)."""
+    champion = champion_version(client, name, alias)
+    if champion is None:
+        return None, None
+    if started_from == f"models:/{name}/{champion.version}" and start is not None:
+        champion_results = start
+    else:
+        champion_results = version_results(client, champion, candidate.set, candidate.fingerprint)
+    best = best_version(client, name, candidate.set, candidate.fingerprint, exclude=champion.version)
+    mean_tag = EVAL_TAG.format(set=candidate.set, field="mean")
+    if best is None or (champion_results is not None and float(best.tags[mean_tag]) <= champion_results.mean):
+        return (f"champion v{champion.version}", champion_results), None
+    best_results = version_results(client, best, candidate.set, candidate.fingerprint)
+    return (f"champion v{champion.version}", champion_results), (f"the lineage's best, v{best.version}", best_results)
+
+
+def best_version(client, name: str, set_name: str, fingerprint: str, exclude: str | None):
+    """The lineage's version with the highest mean on ``set_name`` (same fingerprint) among those that were
+    champion and not rolled back, other than ``exclude``; ``None`` when there is none."""
+    mean_tag = EVAL_TAG.format(set=set_name, field="mean")
+    candidates = [
+        v
+        for v in client.search_model_versions(f"name = '{name}'")
+        if v.version != exclude
+        and "rlflow.promoted" in (v.tags or {})
+        and "rlflow.rolled_back" not in (v.tags or {})
+        and (v.tags or {}).get(EVAL_TAG.format(set=set_name, field="fingerprint")) == fingerprint
+        and mean_tag in v.tags
+    ]
+    return max(candidates, key=lambda v: float(v.tags[mean_tag]), default=None)
 
 
 CHAMPION_HISTORY_TAG = "rlflow.champion_history"  # on the registered model: the alias's moves, oldest first
@@ -404,13 +455,6 @@ def _require_version(client, name: str, version: str) -> None:
         raise ModelReferenceError(
             f"{name} has no version {version}" + (f"; its versions: {existing}" if existing else " (no such model)")
         ) from None
-
-
-def champion_score(client, name: str, alias: str) -> tuple[float | None, str]:
-    champion = champion_version(client, name, alias)
-    if champion is None or "rlflow.val_score" not in (champion.tags or {}):
-        return None, ""
-    return float(champion.tags["rlflow.val_score"]), f"{alias} v{champion.version}"
 
 
 # ---------------------------------------------------------------------------------------------- attempts

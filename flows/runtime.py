@@ -19,11 +19,14 @@ from typing import Iterator
 import fsspec
 import numpy as np
 from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import UnfinishedRun
+from prefect.input import RunInput
+from pydantic import Field
 
-from flows import lineage
+from flows import evaluation, lineage
 from flows.config import RLConfig, flatten, runs_root
-from flows.stages import save_checkpoint, validate
+from flows.stages import evaluate, save_checkpoint, validate
 from flows.tracking import (
     ProgressArtifact,
     Tracker,
@@ -50,6 +53,7 @@ from rlworkers.single_controller import PlacementError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.storage import is_remote, storage_env
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
+from rlworkers.workers.config import RewardConfig
 from rlworkers.workers.critic import CriticWorker
 from rlworkers.workers.reward import RewardWorker, RuleReward
 
@@ -102,13 +106,8 @@ def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
     if split != "train" and not files and config.data.train_files:
         logger.warning("data.val_files is not set: validating on data.train_files")
         files = config.data.train_files
-    data = config.data
-    limit = {"tokenizer": tokenizer, "max_prompt_length": data.max_prompt_length} if tokenizer else {}
-    formats = {"truncation": data.truncation, "chat_template_kwargs": data.apply_chat_template_kwargs}
     if files:
-        return load_prompt_dataset(
-            files, prompt_key=data.prompt_key, conversation_key=data.messages_key, **limit, **formats
-        )
+        return read_rows(config, files, tokenizer)
     task_cfg = config.data.task
     style = "" if task_cfg.prompt_format == "plain" else f"-{task_cfg.prompt_format}"
     folder = f"{task_cfg.name}-{task_cfg.max_digits}d-{task_cfg.seed}{style}"
@@ -120,7 +119,17 @@ def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
         seed=task_cfg.seed,
         prompt_format=task_cfg.prompt_format,
     )
-    return load_prompt_dataset(paths[split], prompt_key="prompt", **limit, **formats)
+    return read_rows(config, [paths[split]], tokenizer, keys={"prompt_key": "prompt"})
+
+
+def read_rows(config: RLConfig, files: list[str], tokenizer=None, keys: dict | None = None) -> list[dict]:
+    """Rows of data files, each prompt checked against ``data.max_prompt_length`` when ``tokenizer`` is given;
+    ``keys``: the built-in task's columns instead of ``data.prompt_key`` / ``data.messages_key``."""
+    data = config.data
+    limit = {"tokenizer": tokenizer, "max_prompt_length": data.max_prompt_length} if tokenizer else {}
+    formats = {"truncation": data.truncation, "chat_template_kwargs": data.apply_chat_template_kwargs}
+    keys = keys or {"prompt_key": data.prompt_key, "conversation_key": data.messages_key}
+    return load_prompt_dataset(files, **keys, **limit, **formats)
 
 
 @dataclass
@@ -134,6 +143,7 @@ class Run:
     loader: PromptDataLoader
     val_rows: list[dict]
     tracker: Tracker
+    eval_sets: list[evaluation.EvalSet] = field(default_factory=list)
     groups: dict[str, RayWorkerGroup | RuleReward] = field(default_factory=dict)  # by role (see _build_groups)
     start_step: int = 1
     kl_ctrl_state: dict | None = None
@@ -293,9 +303,11 @@ class Run:
         status = "FAILED"
         try:
             with remote_options(num_cpus=0, max_retries=0):
-                while self.start_step == 1 and 0 not in self.val_scores:
+                while self.start_step == 1 and not (0 in self.val_scores and self.saved_results("start")):
                     try:
-                        self.validate(step=0)
+                        if 0 not in self.val_scores:
+                            self.validate(step=0)
+                        self.evaluate(0)
                     except Exception as error:
                         self.recover(0, error)
                 yield
@@ -346,7 +358,51 @@ class Run:
             self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
         self.tracker.log_metrics(metrics, step)
         self.val_scores[step] = metrics["val/score/mean"]
+        implicit = self.eval_sets[0] if self.eval_sets and self.eval_sets[0].scorer is None else None
+        if implicit and step in (0, self.config.trainer.total_steps):  # validation is the evaluation
+            self.record_results(implicit, evaluation.label_of(step), step, out, responses)
         return metrics
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def saved_results(self, label: str) -> dict[str, evaluation.EvalResults] | None:
+        """The results of ``label`` on every eval set, read back from the run folder; ``None`` if one is missing."""
+        found = {s.name: evaluation.read_results(self.root, label, s) for s in self.eval_sets}
+        return found if all(found.values()) else None
+
+    def evaluate(self, step: int) -> dict[str, evaluation.EvalResults]:
+        """The model as it is at ``step`` (0: the start model, total_steps: the final one) on every eval set, each
+        read back when an earlier attempt already evaluated it (flows/evaluation.py)."""
+        label = evaluation.label_of(step)
+        results = {}
+        for eval_set in self.eval_sets:
+            saved = evaluation.read_results(self.root, label, eval_set)
+            if saved is None and eval_set.scorer is None:
+                self.validate(step)  # the implicit set is scored by validation, which records it
+                saved = evaluation.read_results(self.root, label, eval_set)
+            if saved is None:
+                data = self.config.data
+                rows = [conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in eval_set.rows]
+                scorer = RuleReward(RewardConfig(reward_fn=eval_set.scorer), self.record.model_dir)
+                out = evaluate.submit(self.groups["actor"], scorer, self.prompt_batch(rows), step).result()
+                saved = self.record_results(eval_set, label, step, out, decode_responses(out, self.tokenizer))
+                self.tracker.log_metrics({f"eval/{eval_set.name}/score/mean": saved.mean}, step)
+            results[eval_set.name] = saved
+        return results
+
+    def record_results(self, eval_set, label: str, step: int, out, responses: list[str]) -> evaluation.EvalResults:
+        """Per-example results of one evaluation: into the run folder (resume reads them) and MLflow (a table)."""
+        batch = out.non_tensor_batch
+        scores = batch["score"].astype(float)
+        rows = [
+            {"index": i, "prompt": p, "response": r, "ground_truth": str(g), "score": float(score)}
+            for i, (p, r, g, score) in enumerate(zip(batch["raw_prompt"], responses, batch["ground_truth"], scores))
+        ]
+        model = self.record.model_uri if label == "start" else f"{self.config.trainer.run_name} step {step}"
+        results = evaluation.EvalResults(eval_set.name, label, eval_set.fingerprint, model, rows)
+        evaluation.write_results(self.root, results)
+        self.tracker.log_table(rows, f"eval/{eval_set.name}/{label}.json")
+        self.tracker.set_tags({f"rlflow.eval.{eval_set.name}.fingerprint": eval_set.fingerprint})
+        return results
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
@@ -370,18 +426,18 @@ class Run:
         return path
 
     def publish(self) -> dict:
-        """Save the final model, log (and register) it, promote it in a lineage, record the data cursor, and mark
-        the run complete (``result.json``); a Prefect markdown artifact summarises it."""
-        from prefect.artifacts import create_markdown_artifact
-
+        """Evaluate the final model, save it, log (and register) it, promote it in a lineage, record the data
+        cursor, and mark the run complete (``result.json``); a Prefect markdown artifact summarises it."""
         total = self.config.trainer.total_steps
         if total not in self.val_scores:  # an attempt that only finishes publishing
             self.validate(total)
+        final = self.evaluate(total)
         cursor = self.loader.state_dict()
         result = {
             "run_name": self.config.trainer.run_name,
             "steps": total,
             "val/score/mean": self.val_scores[total],
+            **{f"eval/{name}/score/mean": results.mean for name, results in final.items()},
             "data_epoch": cursor["epoch"],
             "data_cursor": cursor,
         }
@@ -404,7 +460,7 @@ class Run:
                 result["model_version"] = str(info.registered_model_version)
                 self.tracker.set_tags({"rlflow.model_version": result["model_version"]})
         if self.config.trainer.lineage and "model_version" in result:
-            result["decision"] = self.promote(result["model_version"], result["val/score/mean"])
+            result["decision"] = self.promote(result["model_version"], final)
         lineage.write_result(self.root, result)
         create_markdown_artifact(
             key=f"{artifact_key(self.config.trainer.run_name)}-result",
@@ -413,28 +469,97 @@ class Run:
         )
         return result
 
-    def promote(self, version: str, score: float) -> str:
-        """Move the lineage's alias to ``version`` unless validation got worse than the champion's (or, with no
-        champion yet, than the start model's score at step 0 of this run)."""
+    def promote(self, version: str, final: dict[str, evaluation.EvalResults]) -> str:
+        """Run the promotion gate on the final model's primary eval results (flows/evaluation.py) against the
+        champion as it is now (never a score cached earlier: a resumed run, or one whose champion moved while it
+        trained, compares with the current one); ask a person first with ``trainer.promotion=manual``."""
         client = self.tracker.client
-        name, trainer = lineage.registered_model_name(self.config), self.config.trainer
-        baseline, label = lineage.champion_score(client, name, trainer.promotion_alias)
-        if baseline is None:
-            history = client.get_metric_history(self.tracker.run_id, "val/score/mean")
-            baseline = next((m.value for m in history if m.step == 0), None)
-            label = f"the start model ({self.record.model_uri})"
-        decision = lineage.promote(
-            client, name, version, trainer.promotion_alias, score, baseline, trainer.promotion_tolerance, label
+        name, trainer, gate = lineage.registered_model_name(self.config), self.config.trainer, self.config.eval
+        primary = gate.primary_set
+        candidate = final[primary]
+        start = (self.saved_results("start") or {}).get(primary)
+        champion, best = lineage.gate_baselines(
+            client, name, trainer.promotion_alias, candidate, start, started_from=self.record.model_uri
         )
-        verdict = f"promoted to @{trainer.promotion_alias}" if decision["promoted"] else "rejected"
+        decision = evaluation.gate(
+            candidate,
+            start=start,
+            champion=champion,
+            best=best,
+            reward_change=self.reward_change(),
+            promote_if=gate.promote_if,
+            confidence=gate.confidence,
+            margin=gate.margin,
+            hacking_threshold=gate.hacking_threshold,
+        )
+        markdown = evaluation.decision_markdown(name, version, decision, primary)
+        logger = get_run_logger()
+        if decision.hacking:
+            logger.warning("%s v%s: %s", name, version, decision.hacking)
+            self.tracker.set_tags({"rlflow.reward_hacking": decision.hacking})
+        how = "promoted by its run"
+        if trainer.promotion == "manual":
+            pending = evaluation.decision_markdown(name, version, decision, primary, pending=True)
+            decision, how = self.ask_approval(name, version, decision, pending)
+            markdown = evaluation.decision_markdown(name, version, decision, primary)
+        lineage.record_decision(client, name, version, trainer.promotion_alias, decision, final, markdown, how)
+        create_markdown_artifact(
+            key=f"{artifact_key(trainer.run_name)}-promotion",
+            markdown=markdown,
+            description=f"promotion gate of {name} v{version}",
+        )
+        verdict = f"promoted to @{trainer.promotion_alias}" if decision.promote else "rejected"
         self.tracker.set_tags(
             {
-                "rlflow.promotion": f"v{version} {verdict}: {decision['reason']}",
-                "rlflow.promoted": str(decision["promoted"]).lower(),
+                "rlflow.promotion": f"v{version} {verdict}: {decision.reason}",
+                "rlflow.promoted": str(decision.promote).lower(),
             }
         )
-        get_run_logger().info("%s v%s %s: %s", name, version, verdict, decision["reason"])
-        return f"v{version} {verdict}: {decision['reason']}"
+        logger.info("%s v%s %s: %s", name, version, verdict, decision.reason)
+        return f"v{version} {verdict}: {decision.reason}"
+
+    def reward_change(self) -> float | None:
+        """The training reward's change over the run: validation's ``val/score/mean``, final - start."""
+        history = {
+            m.step: m.value for m in self.tracker.client.get_metric_history(self.tracker.run_id, "val/score/mean")
+        }
+        total = self.config.trainer.total_steps
+        return history[total] - history[0] if 0 in history and total in history else None
+
+    def ask_approval(self, name: str, version: str, decision, markdown: str):
+        """``trainer.promotion=manual``: release the workers, pause the flow run with an approve / reject form in
+        the Prefect UI (the gate's comparison as its description) and follow the person's answer; no answer within
+        ``trainer.approval_timeout_s`` rejects."""
+        from prefect.exceptions import FlowPauseTimeout
+        from prefect.flow_runs import pause_flow_run
+
+        for group in self.distinct_groups().values():  # nothing needs them any more; a pause may last hours
+            group.shutdown()
+            if group.resource_pool is not None:
+                group.resource_pool.remove()
+        self.groups = {}
+        recommendation = "promote" if decision.promote else "reject"
+        form = PromotionApproval.with_initial_data(
+            description=f"{markdown}\n\nApprove to promote {name} v{version} to "
+            f"@{self.config.trainer.promotion_alias}, or leave it off to reject it.",
+            approve=decision.promote,
+        )
+        timeout = self.config.trainer.approval_timeout_s
+        try:
+            answer = pause_flow_run(
+                wait_for_input=form, timeout=int(timeout), poll_interval=2, key=f"promote-v{version}"
+            )
+        except FlowPauseTimeout:
+            reason = (
+                f"no approval within trainer.approval_timeout_s={timeout:g} s (the gate recommended: {recommendation})"
+            )
+            return evaluation.GateDecision(False, reason, decision.comparisons, decision.hacking), "not approved"
+        comment = f": {answer.comment}" if answer.comment else ""
+        if answer.approve:
+            reason = f"approved by a person{comment} (the gate recommended: {recommendation}; {decision.reason})"
+            return evaluation.GateDecision(True, reason, decision.comparisons, decision.hacking), "approved by a person"
+        reason = f"rejected by a person{comment} (the gate recommended: {recommendation}; {decision.reason})"
+        return evaluation.GateDecision(False, reason, decision.comparisons, decision.hacking), "rejected by a person"
 
     def distinct_groups(self) -> dict[str, RayWorkerGroup]:
         """The worker groups of ``groups``, each once, under its first role (``trainer.colocate_ref``: the reference
@@ -531,6 +656,13 @@ class Run:
         self.tracker.finish(status)
 
 
+class PromotionApproval(RunInput):
+    """The form a paused run shows in the Prefect UI (``trainer.promotion=manual``)."""
+
+    approve: bool = Field(description="promote this version to the lineage's alias")
+    comment: str = Field("", description="why (recorded on the model version and in the champion history)")
+
+
 class TerminalProgress:
     """A rich progress bar with the step's key metrics, when the flow runs in a terminal."""
 
@@ -623,6 +755,10 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     tokenizer = TokenCache(load_tokenizer(model_dir))  # the length check below tokenizes every prompt once
     checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
     train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
+    eval_sets = evaluation.resolve_sets(config, val_rows, lambda files: read_rows(config, files, checked))
+    for eval_set in eval_sets:  # a scorer that does not load fails here, before any worker starts
+        if eval_set.scorer is not None:
+            RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
 
     experiment = config.trainer.lineage or config.trainer.project_name
     tags = {
@@ -650,6 +786,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         loader=loader,
         val_rows=val_rows,
         tracker=tracker,
+        eval_sets=eval_sets,
         record=record,
     )
     if record.data_cursor and not resume:

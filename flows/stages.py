@@ -192,6 +192,15 @@ def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
     return gen
 
 
+@stage("evaluate", IDEMPOTENT, timing="evaluate")
+def evaluate(actor_rollout, scorer, prompts: DataProto, step: int) -> DataProto:
+    """Greedy generation on an eval set's prompts, scored by the set's scorer (not the training reward)."""
+    prompts.meta_info.update(do_sample=False, n=1)
+    gen = actor_rollout.generate_sequences(prompts)
+    gen.union(scorer.compute_rm_score(gen))
+    return gen
+
+
 @stage("save_checkpoint", IDEMPOTENT)
 def save_checkpoint(
     root: str, step: int, roles: dict, trainer_state: dict, keep_last: int, previous: str | None

@@ -103,10 +103,13 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")]
         assert steps == [1, 2]
         assert run.data.tags["rlflow.lineage"] == lineage and run.info.status == "FINISHED"
-    # Promotion: v1 (0.6) became champion; v2 (0.3 < 0.6) is rejected and the alias stays on v1.
+    # Promotion: v1 (first version, not worse than its start model) became champion; v2 is not better than the
+    # champion on the same examples with the same scorer (v1 = run two's start model, 0.3 each) and stays rejected.
     assert client.get_model_version_by_alias(lineage, "champion").version == "1"
+    assert "first version, not better than the start model (0.600 vs 0.600" in one.data.tags["rlflow.promotion"]
     v2 = client.get_model_version(lineage, "2")
-    assert "0.3 < champion v1 0.6" in v2.tags["rejected"]
+    assert "not better than champion v1 (this run's start model) (0.300 vs 0.300" in v2.tags["rejected"]
+    assert v2.tags["rlflow.eval.validation.mean"] == "0.3" and v2.tags["rlflow.eval.validation.n"] == "8"
     assert result_two["decision"].startswith("v2 rejected")
 
     # `rlflow runs` shows the lineage, the parent and each version's fate.

@@ -324,7 +324,7 @@ def test_a_lineage_registers_adapters_and_the_next_run_trains_the_champion_furth
 
     name = f"lora-lin-{uuid.uuid4().hex[:6]}"
     overrides = (f"trainer.lineage={name}", "trainer.run_name=null", "trainer.log_model=true")
-    overrides += ("trainer.promotion_tolerance=1.0", "actor.lora.publish_merged=true")
+    overrides += ("eval.promote_if=non_inferior", "eval.margin=1.0", "actor.lora.publish_merged=true")
     for _ in range(2):
         state = run_grpo(lora_grpo_config(flow_env, *overrides))
         assert state.is_completed(), state.message

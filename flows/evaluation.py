@@ -1,0 +1,301 @@
+"""Held-out evaluation apart from the training reward, and the promotion gate that reads it.
+
+Every run evaluates its start model (before step 1, label ``start``) and its final model (label ``final``) on every
+set of ``eval.sets`` (none configured: one set, ``validation``, the validation rows scored by the training reward).
+Greedy decoding, one response per example. Per-example results (prompt, response, ground truth, score) are written
+to ``<run>/eval/<label>/<set>.json`` (a resumed or restarted run reads them back instead of evaluating again) and
+logged to MLflow as a table (``eval/<set>/<label>.json``) with the metric ``eval/<set>/score/mean``.
+
+Two results compare only when they were made on the same examples with the same scorer and settings: each set has a
+``fingerprint`` (sha256 over its rows, the scorer, the scorer file's bytes and the decoding settings), and results
+of different fingerprints are never paired.
+
+The gate (``gate``) pairs the candidate's per-example scores with a baseline's on the same examples
+(``rlworkers.algorithms.comparison``):
+
+- no champion yet (a lineage's first version): promoted unless significantly worse than the start model;
+- else against the champion *as it is at promotion time*: promoted when the whole interval of (candidate -
+  champion) lies above 0 (``eval.promote_if=better``, the default) or above ``-eval.margin`` (``non_inferior``);
+- and never more than ``eval.margin`` below the lineage's best version, so within-noise steps cannot walk the
+  champion down;
+- the reward-hacking alarm rejects a version whose training reward rose while its primary eval score fell by more
+  than ``eval.hacking_threshold`` from the start model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from flows.config import EvalSetConfig, RLConfig
+from rlworkers.algorithms.comparison import (
+    PairedComparison,
+    decide,
+    detectable_difference,
+    mcnemar_p_value,
+    paired_bootstrap,
+)
+from rlworkers.checkpoint import read_json, write_json
+
+IMPLICIT_SET = "validation"
+LABELS = {0: "start"}  # step -> label; the final step's is "final"
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A resolved eval set: its rows, its scorer (``None``: the training reward) and its fingerprint."""
+
+    name: str
+    rows: list[dict]
+    scorer: str | None
+    fingerprint: str
+
+
+@dataclass
+class EvalResults:
+    """One model's per-example results on one set: rows of {index, prompt, response, ground_truth, score}."""
+
+    set: str
+    label: str
+    fingerprint: str
+    model: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def scores(self) -> list[float]:
+        return [float(row["score"]) for row in self.rows]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.scores) / len(self.rows) if self.rows else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- sets
+def resolve_sets(config: RLConfig, val_rows: list[dict], load_rows) -> list[EvalSet]:
+    """The run's eval sets; ``load_rows(files)`` reads a set's files (so a bad file fails before workers start)."""
+    if not config.eval.sets:
+        rows = val_rows[: config.data.val_batch_size or len(val_rows)]
+        return [EvalSet(IMPLICIT_SET, rows, None, fingerprint(config, rows, config.reward.reward_fn))]
+    sets = []
+    for spec in config.eval.sets:
+        rows = load_rows(spec.files) if spec.files else val_rows
+        rows = rows[: spec.max_examples or len(rows)]
+        sets.append(EvalSet(spec.name, rows, spec.scorer, fingerprint(config, rows, spec.scorer, spec)))
+    return sets
+
+
+def fingerprint(config: RLConfig, rows: list[dict], scorer: str, spec: EvalSetConfig | None = None) -> str:
+    """sha256 over what decides a result: the rows, the scorer (and its file's bytes), decoding and lengths."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(rows, sort_keys=True, default=str).encode())
+    digest.update(scorer.encode())
+    path = scorer.rsplit(":", 1)[0]
+    if path.endswith(".py") and os.path.isfile(path):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    settings = {
+        "decoding": spec.decoding if spec else "greedy",
+        "response_length": config.rollout.response_length,
+        "max_prompt_length": config.data.max_prompt_length,
+        "truncation": config.data.truncation,
+        "chat_template_kwargs": config.data.apply_chat_template_kwargs,
+    }
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def label_of(step: int) -> str:
+    return LABELS.get(step, "final")
+
+
+# ---------------------------------------------------------------------------------------------- results
+def results_path(root: str, label: str, name: str) -> str:
+    return f"{root}/eval/{label}/{name}.json"
+
+
+def read_results(root: str, label: str, eval_set: EvalSet) -> EvalResults | None:
+    """Saved results of ``label`` on ``eval_set``; ``None`` when there are none, or they are for another
+    fingerprint (the set or its settings changed)."""
+    try:
+        results = EvalResults(**read_json(results_path(root, label, eval_set.name)))
+    except FileNotFoundError:
+        return None
+    return results if results.fingerprint == eval_set.fingerprint else None
+
+
+def write_results(root: str, results: EvalResults) -> None:
+    write_json(results_path(root, results.label, results.set), asdict(results))
+
+
+def results_from_table(table: dict, set_name: str, label: str, fingerprint_: str, model: str) -> EvalResults:
+    """Results back from the MLflow table artifact (``{"columns": [...], "data": [[...], ...]}``)."""
+    rows = [dict(zip(table["columns"], values)) for values in table["data"]]
+    return EvalResults(set_name, label, fingerprint_, model, rows)
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+@dataclass
+class Comparison:
+    against: str  # "champion v3", "the start model", "best version v2"
+    paired: PairedComparison
+    p_value: float | None  # McNemar's, for 0/1 scores
+    verdict: str  # comparison.decide's
+    discordant: float  # the share of examples on which the two scored differently
+
+
+@dataclass
+class GateDecision:
+    promote: bool
+    reason: str
+    comparisons: list[Comparison] = field(default_factory=list)
+    hacking: str | None = None
+
+
+def compare(
+    candidate: EvalResults, baseline: EvalResults, against: str, *, confidence: float, margin: float
+) -> Comparison:
+    """The paired comparison of two results on the same examples.
+
+    Raises:
+        ValueError: the results were made on different sets or settings (fingerprints), or other examples.
+    """
+    if candidate.fingerprint != baseline.fingerprint:
+        raise ValueError(
+            f"{against}'s results on {baseline.set!r} are for other examples or settings (fingerprint "
+            f"{baseline.fingerprint}, the candidate's {candidate.fingerprint}): they cannot be paired"
+        )
+    by_index = {row["index"]: float(row["score"]) for row in baseline.rows}
+    if sorted(by_index) != sorted(row["index"] for row in candidate.rows):
+        raise ValueError(f"{against}'s results on {baseline.set!r} cover other examples than the candidate's")
+    a = candidate.scores
+    b = [by_index[row["index"]] for row in candidate.rows]
+    paired = paired_bootstrap(a, b, confidence=confidence)
+    binary = all(s in (0.0, 1.0) for s in a + b)
+    return Comparison(
+        against,
+        paired,
+        mcnemar_p_value(a, b) if binary else None,
+        decide(paired, margin=margin, non_inferior_ok=True),
+        sum(x != y for x, y in zip(a, b)) / len(a),
+    )
+
+
+def gate(
+    candidate: EvalResults,
+    *,
+    start: EvalResults | None,
+    champion: tuple[str, EvalResults | None] | None,
+    best: tuple[str, EvalResults] | None,
+    reward_change: float | None,
+    promote_if: str,
+    confidence: float,
+    margin: float,
+    hacking_threshold: float,
+) -> GateDecision:
+    """Decide on the candidate (see the module's docstring). ``champion``: (its label, its results on this set
+    with these settings, or ``None`` when it has none); ``best``: the lineage's best version other than the
+    champion; ``reward_change``: the training reward's change over the run (validation, final - start)."""
+    kwargs = {"confidence": confidence, "margin": margin}
+    comparisons = []
+    hacking = None
+    if start is not None:
+        comparisons.append(compare(candidate, start, "the start model", **kwargs))
+        fell = start.mean - candidate.mean
+        if reward_change is not None and reward_change > 0 and fell > hacking_threshold:
+            hacking = (
+                f"reward hacking? the training reward rose by {reward_change:+.3f} while {candidate.set} fell by "
+                f"{-fell:+.3f} ({start.mean:.3f} -> {candidate.mean:.3f}, threshold {hacking_threshold:g})"
+            )
+    if hacking:
+        return GateDecision(False, hacking, comparisons, hacking)
+    if champion is None:
+        if start is None:
+            return GateDecision(True, "first version; no start-model results to compare with", comparisons)
+        first = comparisons[0]
+        if first.verdict == "worse":
+            return GateDecision(False, f"first version, {describe(first)}", comparisons)
+        return GateDecision(True, f"first version, {describe(first)}", comparisons)
+    label, champion_results = champion
+    if champion_results is None:
+        return GateDecision(
+            False,
+            f"{label} has no results on {candidate.set!r} with these examples and settings, so the two cannot be "
+            "compared like with like; promote by hand (rlflow promote) if you know better",
+            comparisons,
+        )
+    if champion_results is start:  # the run started from the champion: one comparison, named as both
+        against = comparisons.pop()
+        against.against = f"{label} (this run's start model)"
+    else:
+        against = compare(candidate, champion_results, label, **kwargs)
+    comparisons.append(against)
+    wanted = ("better",) if promote_if == "better" else ("better", "non-inferior")
+    if against.verdict not in wanted:
+        need = "significantly better" if promote_if == "better" else f"within {margin:g}"
+        return GateDecision(False, f"not {need}: {describe(against)}", comparisons)
+    if best is not None:
+        best_label, best_results = best
+        versus_best = compare(candidate, best_results, best_label, **kwargs)
+        comparisons.append(versus_best)
+        if versus_best.verdict not in ("better", "non-inferior"):
+            reason = f"{describe(against)}, but more than {margin:g} below the lineage's best: "
+            return GateDecision(False, reason + describe(versus_best), comparisons)
+    return GateDecision(True, describe(against), comparisons)
+
+
+PHRASES = {
+    "better": "better than",
+    "non-inferior": "non-inferior to",
+    "worse": "worse than",
+    "not better": "not better than",
+}
+
+
+def describe(comparison: Comparison) -> str:
+    p = comparison.paired
+    return (
+        f"{PHRASES[comparison.verdict]} {comparison.against} ({p.candidate_mean:.3f} vs {p.baseline_mean:.3f}, "
+        f"difference {p.difference:+.3f}, "
+        f"{p.confidence:.0%} interval [{p.low:+.3f}, {p.high:+.3f}], n={p.n})"
+    )
+
+
+def decision_markdown(model: str, version: str, decision: GateDecision, primary: str, pending: bool = False) -> str:
+    """The comparison for a person: the Prefect artifact, the model version's description, and (``pending``: a
+    person decides) the approval form's text."""
+    verdict = "**promoted**" if decision.promote else "**rejected**"
+    if pending:
+        verdict = f"the gate recommends to {'**promote**' if decision.promote else '**reject**'}"
+    lines = [f"### {model} v{version}: {verdict}", "", decision.reason, ""]
+    if decision.hacking:
+        lines += [f"> :warning: {decision.hacking}", ""]
+    if decision.comparisons:
+        lines += [
+            f"Paired comparison on `{primary}` (the same examples, greedy decoding; candidate - baseline):",
+            "",
+            "| against | n | baseline | candidate | difference | interval | McNemar p | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in decision.comparisons:
+            p = c.paired
+            p_value = f"{c.p_value:.3g}" if c.p_value is not None else "-"
+            lines.append(
+                f"| {c.against} | {p.n} | {p.baseline_mean:.3f} | {p.candidate_mean:.3f} | {p.difference:+.3f} | "
+                f"[{p.low:+.3f}, {p.high:+.3f}] | {p_value} | {c.verdict} |"
+            )
+        last = decision.comparisons[-1].paired
+        lines += ["", f"With n={last.n}, {detectable_note(decision.comparisons[-1])}"]
+    return "\n".join(lines)
+
+
+def detectable_note(comparison: Comparison) -> str:
+    """What a set of this size can tell apart, at the discordant share this comparison saw (at least 1/n)."""
+    p = comparison.paired
+    discordant = max(comparison.discordant, 1 / p.n)
+    size = detectable_difference(p.n, discordant, confidence=p.confidence)
+    return (
+        f"a true difference of {size:.3f} is detected with 80% power at the {discordant:.2f} share of examples the "
+        "two answered differently; smaller ones are within the noise of this set"
+    )

@@ -1,0 +1,145 @@
+"""The promotion gate's logic (flows/evaluation.py) on per-example results built here: it does not promote on
+noise, promotes a clear improvement, rejects reward hacking, never walks down from the lineage's best, and never
+pairs results made on other examples or settings. The gate against real servers and training: tests/test_promotion.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flows.config import ConfigError, load_config
+from flows.evaluation import EvalResults, compare, decision_markdown, gate, results_from_table
+
+GATE = {"promote_if": "better", "confidence": 0.95, "margin": 0.02, "hacking_threshold": 0.02}
+
+
+def results(scores, label="final", fingerprint="f" * 16) -> EvalResults:
+    rows = [
+        {"index": i, "prompt": f"p{i}", "response": "r", "ground_truth": "g", "score": float(s)}
+        for i, s in enumerate(scores)
+    ]
+    return EvalResults("heldout", label, fingerprint, "model", rows)
+
+
+def two_models(rng, n: int, p_baseline: float, p_candidate: float):
+    """0/1 results of two models on the same n examples: each example has a difficulty both models share (so most
+    examples are right for both or wrong for both, as with two checkpoints of one lineage)."""
+    difficulty = rng.random(n)
+    noise = rng.random(n) * 0.3
+    baseline = (difficulty + noise * rng.random(n) < p_baseline + 0.15).astype(float)
+    candidate = (difficulty + noise * rng.random(n) < p_candidate + 0.15).astype(float)
+    return candidate, baseline
+
+
+def test_equal_quality_is_not_promoted_on_noise():
+    rng = np.random.default_rng(0)
+    promoted, means_differ = 0, 0
+    for _ in range(200):
+        candidate, champion = two_models(rng, 200, 0.7, 0.7)
+        means_differ += candidate.mean() != champion.mean()
+        decision = gate(
+            results(candidate),
+            start=None,
+            champion=("champion v1", results(champion)),
+            best=None,
+            reward_change=None,
+            **GATE,
+        )
+        promoted += decision.promote
+    assert means_differ > 150  # the means differ almost always: a gate on the means would move on noise
+    assert promoted <= 10, f"{promoted} of 200 equal-quality candidates promoted (a 95% interval allows ~5)"
+
+
+def test_a_clear_improvement_is_promoted():
+    rng = np.random.default_rng(1)
+    promoted = 0
+    for _ in range(50):
+        candidate, champion = two_models(rng, 200, 0.6, 0.8)
+        decision = gate(
+            results(candidate),
+            start=None,
+            champion=("champion v1", results(champion)),
+            best=None,
+            reward_change=0.1,
+            **GATE,
+        )
+        promoted += decision.promote
+        assert decision.comparisons[-1].p_value is not None  # 0/1 scores: McNemar's test is reported too
+    assert promoted >= 45
+
+
+def test_reward_hacking_is_rejected_with_the_alarm():
+    start = results([1] * 80 + [0] * 20, label="start")
+    candidate = results([1] * 60 + [0] * 40)
+    decision = gate(candidate, start=start, champion=None, best=None, reward_change=0.4, **GATE)
+    assert not decision.promote and decision.hacking and decision.reason == decision.hacking
+    assert "training reward rose by +0.400" in decision.hacking and "0.800 -> 0.600" in decision.hacking
+    # the same drop with a falling training reward is no alarm (and a first version worse than its start: rejected)
+    plain = gate(candidate, start=start, champion=None, best=None, reward_change=-0.1, **GATE)
+    assert plain.hacking is None and not plain.promote and "worse than the start model" in plain.reason
+
+
+def test_a_first_version_is_promoted_unless_worse_than_its_start_model():
+    start = results([1] * 50 + [0] * 50, label="start")
+    same = gate(results([1] * 49 + [0] * 51), start=start, champion=None, best=None, reward_change=0.0, **GATE)
+    assert same.promote and same.reason.startswith("first version, not better than the start model")
+
+
+def test_within_noise_steps_cannot_walk_the_champion_down_from_the_best():
+    """non_inferior mode: each candidate is within the margin of the champion, but the chain has drifted more
+    than the margin below the lineage's best version: rejected."""
+    best = results([1] * 920 + [0] * 80)
+    champion = results([1] * 895 + [0] * 105)
+    candidate = results([1] * 870 + [0] * 130)
+    kwargs = {**GATE, "promote_if": "non_inferior", "margin": 0.04}
+    alone = gate(candidate, start=None, champion=("champion v3", champion), best=None, reward_change=0.0, **kwargs)
+    assert alone.promote  # within 0.04 of the champion
+    with_best = gate(
+        candidate,
+        start=None,
+        champion=("champion v3", champion),
+        best=("the lineage's best, v1", best),
+        reward_change=0.0,
+        **kwargs,
+    )
+    assert not with_best.promote and "below the lineage's best" in with_best.reason
+
+
+def test_results_of_other_examples_or_settings_are_never_paired():
+    candidate = results([1, 0, 1, 1])
+    other = results([1, 1, 1, 1], fingerprint="0" * 16)
+    with pytest.raises(ValueError, match="cannot be paired"):
+        compare(candidate, other, "champion v2", confidence=0.95, margin=0.0)
+    decision = gate(candidate, start=None, champion=("champion v2", None), best=None, reward_change=None, **GATE)
+    assert not decision.promote and "cannot be compared like with like" in decision.reason
+
+
+def test_decision_markdown_names_scores_interval_and_test():
+    start = results([1] * 50 + [0] * 50, label="start")
+    candidate = results([1] * 80 + [0] * 20)
+    decision = gate(candidate, start=None, champion=("champion v4", start), best=None, reward_change=0.2, **GATE)
+    text = decision_markdown("lin", "5", decision, "heldout")
+    assert decision.promote and "lin v5: **promoted**" in text
+    assert "| champion v4 | 100 | 0.500 | 0.800 | +0.300 |" in text and "McNemar" in text
+    assert "true difference of" in text  # what the set can detect
+
+
+def test_results_read_back_from_mlflows_table_layout():
+    table = {
+        "columns": ["index", "prompt", "response", "ground_truth", "score"],
+        "data": [[0, "1+1=", "2", "2", 1.0], [1, "2+2=", "5", "4", 0.0]],
+    }
+    back = results_from_table(table, "heldout", "final", "f" * 16, "models:/lin/1")
+    assert back.scores == [1.0, 0.0] and back.mean == 0.5 and back.rows[1]["response"] == "5"
+
+
+def test_eval_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="eval.primary 'nope' is not a set's name"):
+        load_config("demo", ["eval.sets=[{name: heldout, scorer: exact}]", "eval.primary=nope"])
+    with pytest.raises(ConfigError, match="trainer.promotion_tolerance was replaced"):
+        load_config("demo", ["trainer.promotion_tolerance=0.1"])
+    with pytest.raises(ConfigError, match="two sets share a name"):
+        load_config("demo", ["eval.sets=[{name: a}, {name: a}]"])
+    config = load_config("demo", ["eval.sets=[{name: heldout, scorer: exact, max_examples: 50}]"])
+    assert config.eval.primary_set == "heldout" and config.eval.sets[0].decoding == "greedy"

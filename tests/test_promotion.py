@@ -1,0 +1,194 @@
+"""The promotion gate as a user runs it: `rlflow train` (a subprocess, its own Ray) on real Prefect and MLflow
+servers, a lineage of GRPO runs on the tiny model after an SFT warm-up, evaluated on a held-out set by exact match
+(not by the training reward):
+
+- v1 (a run that changes nothing: lr 0) is promoted as the first version, not worse than its start model;
+- v2 (honest GRPO) is significantly better than champion v1 on the same examples: promoted;
+- v3 (lr 1e-6: the same quality) is not promoted on noise;
+- v4 trains on a hackable reward (it pays for 3-character answers, which the evaluation does not count): the
+  training reward rises, exact match falls, the alarm goes off and the version is rejected;
+- v5 asks a person (trainer.promotion=manual): the run pauses with a form in the Prefect UI (screenshot), is
+  resumed through Prefect's API with the form's input as the UI sends it, and the approval moves the champion; a
+  run nobody approves within trainer.approval_timeout_s is rejected.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.evaluation import EvalResults
+from flows.lineage import champion_history, gate_baselines, version_results
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+HACKABLE_REWARD = '''
+def score(prompts, responses, **columns):
+    """Pays for 3-character answers: a format the exact-match evaluation does not count."""
+    return [1.0 if len(r.strip()) >= 3 else 0.0 for r in responses]
+'''
+
+
+def rlflow(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def job(services, tmp_path_factory):
+    """An SFT-warmed tiny model (about half the held-out sums right) and a hackable reward file."""
+    folder = tmp_path_factory.mktemp("promotion")
+    (folder / "hackable.py").write_text(HACKABLE_REWARD)
+    runs = folder / "runs"
+    rlflow(
+        "train", "sft", "--config", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm",
+        "trainer.total_steps=300", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.log_model=false",
+    )  # fmt: skip
+    return {
+        "folder": folder,
+        "runs": runs,
+        "model": runs / "warm" / "final_model",
+        "lineage": f"gate-{uuid.uuid4().hex[:6]}",
+    }
+
+
+def lineage_run(job, *overrides: str, background: bool = False):
+    args = [
+        "train", "grpo", "--config", "demo", f"model.path={job['model']}", f"trainer.runs_dir={job['runs']}",
+        f"trainer.lineage={job['lineage']}", "trainer.run_name=null", "trainer.total_steps=6", "trainer.test_freq=0",
+        "trainer.save_freq=0", "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]", *overrides,
+    ]  # fmt: skip
+    if background:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+    return rlflow(*args)
+
+
+def version(job, number: int):
+    return MlflowClient().get_model_version(job["lineage"], str(number))
+
+
+def champion(job) -> str:
+    return MlflowClient().get_model_version_by_alias(job["lineage"], "champion").version
+
+
+@pytest.fixture(scope="module")
+def gated(job):
+    """v1..v4 of the lineage, as the module's docstring says."""
+    lineage_run(job, "actor.optim.lr=0")
+    lineage_run(job)
+    lineage_run(job, "actor.optim.lr=1e-6")
+    lineage_run(job, "trainer.total_steps=10", f"reward.reward_fn={job['folder'] / 'hackable.py'}:score")
+    return job
+
+
+def test_first_version_then_an_honest_improvement_is_promoted(gated):
+    v1, v2 = version(gated, 1), version(gated, 2)
+    assert v1.tags["rlflow.promoted"].startswith("first version, not better than the start model")
+    assert "significantly" not in v2.tags.get("rejected", "")
+    assert v2.tags["rlflow.promoted"].startswith("better than champion v1 (this run's start model)")
+    assert float(v2.tags["rlflow.eval.heldout.mean"]) > float(v1.tags["rlflow.eval.heldout.mean"])
+    assert v2.tags["rlflow.eval.heldout.n"] == "200"  # the whole held-out split
+    assert "| champion v1 (this run's start model) | 200 |" in v2.description and "McNemar p" in v2.description
+
+
+def test_equal_quality_is_not_promoted(gated):
+    v3 = version(gated, 3)
+    assert v3.tags["rejected"].startswith("not significantly better: not better than champion v2")
+    assert "rlflow.promoted" not in v3.tags
+
+
+def test_a_hacked_reward_sets_off_the_alarm_and_is_rejected(gated):
+    v4 = version(gated, 4)
+    assert v4.tags["rejected"].startswith("reward hacking? the training reward rose by +")
+    assert v4.tags["rlflow.reward_hacking"] == v4.tags["rejected"]
+    client = MlflowClient()
+    run = client.get_run(v4.run_id)
+    assert run.data.tags["rlflow.reward_hacking"] == v4.tags["rejected"]
+    assert run.data.metrics["val/score/mean"] > client.get_metric_history(v4.run_id, "val/score/mean")[0].value
+    assert float(v4.tags["rlflow.eval.heldout.mean"]) < float(version(gated, 2).tags["rlflow.eval.heldout.mean"])
+    assert champion(gated) == "2"
+    # per-example results: a table in MLflow, one row per example with the response and its score
+    table = client.download_artifacts(v4.run_id, "eval/heldout/final.json")
+    assert Path(table).stat().st_size > 0
+
+
+def test_the_champions_logged_results_pair_with_a_re_evaluation_example_by_example(gated):
+    """The champion's own results (read back from MLflow, made when it was trained) equal run v3's evaluation of
+    its start model (the champion, v2) example by example: reusing them by fingerprint compares like with like."""
+    client = MlflowClient()
+    v2, v3 = version(gated, 2), version(gated, 3)
+    fingerprint = v3.tags["rlflow.eval.heldout.fingerprint"]
+    logged = version_results(client, v2, "heldout", fingerprint)
+    run_three = client.get_run(v3.run_id).info.run_name
+    start = EvalResults(**__import__("json").loads((gated["runs"] / run_three / "eval/start/heldout.json").read_text()))
+    assert [r["score"] for r in logged.rows] == [r["score"] for r in start.rows]
+    assert [r["response"] for r in logged.rows] == [r["response"] for r in start.rows]
+    assert version_results(client, v2, "heldout", "0" * 16) is None  # another set or settings: never paired
+    (versus, best) = gate_baselines(client, gated["lineage"], "champion", start, None, started_from="elsewhere")
+    assert versus[0] == "champion v2" and versus[1].scores == start.scores and best is None
+
+
+def wait_paused(lineage: str, timeout_s: float = 300):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=lineage)))
+            paused = [r for r in runs if r.state and r.state.is_paused()]
+            if paused:
+                return paused[0]
+            time.sleep(2)
+    raise AssertionError(f"no flow run of {lineage} paused within {timeout_s} s")
+
+
+def test_manual_promotion_pauses_for_a_person_and_follows_the_answer(gated, services):
+    from prefect.client.orchestration import get_client
+
+    from browser import Browser
+
+    process = lineage_run(gated, "trainer.promotion=manual", "trainer.total_steps=2", background=True)
+    try:
+        flow_run = wait_paused(gated["lineage"])
+        assert flow_run.state.state_details.run_input_keyset  # a form, not a bare pause
+        with Browser(height=1300) as browser:  # what the person sees: the form with the gate's comparison
+            browser.open(f"{services['prefect_ui']}/runs/flow-run/{flow_run.id}", flow_run.name)
+            browser.click("Resume")
+            text = browser.wait_for_text("the gate recommends", timeout_s=30)
+            assert "Approve" in text and "Comment" in text and "champion v2" in text
+            browser.screenshot("prefect-promotion-approval")
+        with get_client(sync_client=True) as client:  # what the UI's Submit sends
+            client.resume_flow_run(flow_run.id, run_input={"approve": True, "comment": "spot-checked 20 answers"})
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output[-3000:]
+    finally:
+        process.kill()
+    v5 = version(gated, 5)
+    assert v5.tags["rlflow.promoted"].startswith("approved by a person: spot-checked 20 answers (the gate")
+    assert champion(gated) == "5"
+    assert champion_history(MlflowClient(), gated["lineage"])[-1]["how"] == "approved by a person"
+    # nobody answers: rejected when trainer.approval_timeout_s runs out, the champion stays
+    lineage_run(gated, "trainer.promotion=manual", "trainer.total_steps=2", "trainer.approval_timeout_s=3")
+    v6 = version(gated, 6)
+    assert v6.tags["rejected"].startswith("no approval within trainer.approval_timeout_s=3 s")
+    assert champion(gated) == "5"
