@@ -233,8 +233,8 @@ def gate(
     comparisons.append(against)
     wanted = ("better",) if promote_if == "better" else ("better", "non-inferior")
     if against.verdict not in wanted:
-        need = "significantly better" if promote_if == "better" else f"within {margin:g}"
-        return GateDecision(False, f"not {need}: {describe(against)}", comparisons)
+        need = "significantly better than" if promote_if == "better" else f"within {margin:g} of"
+        return GateDecision(False, f"not {need} {details(against)}", comparisons)
     if best is not None:
         best_label, best_results = best
         versus_best = compare(candidate, best_results, best_label, **kwargs)
@@ -254,9 +254,13 @@ PHRASES = {
 
 
 def describe(comparison: Comparison) -> str:
+    return f"{PHRASES[comparison.verdict]} {details(comparison)}"
+
+
+def details(comparison: Comparison) -> str:
     p = comparison.paired
     return (
-        f"{PHRASES[comparison.verdict]} {comparison.against} ({p.candidate_mean:.3f} vs {p.baseline_mean:.3f}, "
+        f"{comparison.against} ({p.candidate_mean:.3f} vs {p.baseline_mean:.3f}, "
         f"difference {p.difference:+.3f}, "
         f"{p.confidence:.0%} interval [{p.low:+.3f}, {p.high:+.3f}], n={p.n})"
     )

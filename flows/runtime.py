@@ -549,7 +549,13 @@ class Run:
             answer = pause_flow_run(
                 wait_for_input=form, timeout=int(timeout), poll_interval=2, key=f"promote-v{version}"
             )
-        except FlowPauseTimeout:
+        except FlowPauseTimeout:  # the run is still Paused on the server: back to Running, to end it Completed
+            from prefect.client.orchestration import get_client
+            from prefect.context import FlowRunContext
+            from prefect.states import Running
+
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(FlowRunContext.get().flow_run.id, Running(), force=True)
             reason = (
                 f"no approval within trainer.approval_timeout_s={timeout:g} s (the gate recommended: {recommendation})"
             )

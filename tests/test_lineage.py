@@ -106,9 +106,9 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
     # Promotion: v1 (first version, not worse than its start model) became champion; v2 is not better than the
     # champion on the same examples with the same scorer (v1 = run two's start model, 0.3 each) and stays rejected.
     assert client.get_model_version_by_alias(lineage, "champion").version == "1"
-    assert "first version, not better than the start model (0.600 vs 0.600" in one.data.tags["rlflow.promotion"]
+    assert "first version, non-inferior to the start model (0.600 vs 0.600" in one.data.tags["rlflow.promotion"]
     v2 = client.get_model_version(lineage, "2")
-    assert "not better than champion v1 (this run's start model) (0.300 vs 0.300" in v2.tags["rejected"]
+    assert "not significantly better than champion v1 (this run's start model) (0.300 vs 0.300" in v2.tags["rejected"]
     assert v2.tags["rlflow.eval.validation.mean"] == "0.3" and v2.tags["rlflow.eval.validation.n"] == "8"
     assert result_two["decision"].startswith("v2 rejected")
 

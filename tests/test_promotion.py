@@ -2,7 +2,7 @@
 servers, a lineage of GRPO runs on the tiny model after an SFT warm-up, evaluated on a held-out set by exact match
 (not by the training reward):
 
-- v1 (a run that changes nothing: lr 0) is promoted as the first version, not worse than its start model;
+- v1 (a run that changes next to nothing: lr 1e-9) is promoted as the first version, not worse than its start model;
 - v2 (honest GRPO) is significantly better than champion v1 on the same examples: promoted;
 - v3 (lr 1e-6: the same quality) is not promoted on noise;
 - v4 trains on a hackable reward (it pays for 3-character answers, which the evaluation does not count): the
@@ -14,6 +14,7 @@ servers, a lineage of GRPO runs on the tiny model after an SFT warm-up, evaluate
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,13 +53,13 @@ def rlflow(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def job(services, tmp_path_factory):
-    """An SFT-warmed tiny model (about half the held-out sums right) and a hackable reward file."""
+    """The demo's SFT-warmed tiny model (about 3 in 4 held-out sums right) and a hackable reward file."""
     folder = tmp_path_factory.mktemp("promotion")
     (folder / "hackable.py").write_text(HACKABLE_REWARD)
     runs = folder / "runs"
     rlflow(
         "train", "sft", "--config", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm",
-        "trainer.total_steps=300", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.log_model=false",
+        "trainer.test_freq=0", "trainer.save_freq=0", "trainer.log_model=false",
     )  # fmt: skip
     return {
         "folder": folder,
@@ -93,8 +94,8 @@ def champion(job) -> str:
 @pytest.fixture(scope="module")
 def gated(job):
     """v1..v4 of the lineage, as the module's docstring says."""
-    lineage_run(job, "actor.optim.lr=0")
-    lineage_run(job)
+    lineage_run(job, "actor.optim.lr=1e-9")
+    lineage_run(job, "trainer.total_steps=15")
     lineage_run(job, "actor.optim.lr=1e-6")
     lineage_run(job, "trainer.total_steps=10", f"reward.reward_fn={job['folder'] / 'hackable.py'}:score")
     return job
@@ -102,7 +103,7 @@ def gated(job):
 
 def test_first_version_then_an_honest_improvement_is_promoted(gated):
     v1, v2 = version(gated, 1), version(gated, 2)
-    assert v1.tags["rlflow.promoted"].startswith("first version, not better than the start model")
+    assert v1.tags["rlflow.promoted"].startswith("first version, non-inferior to the start model")
     assert "significantly" not in v2.tags.get("rejected", "")
     assert v2.tags["rlflow.promoted"].startswith("better than champion v1 (this run's start model)")
     assert float(v2.tags["rlflow.eval.heldout.mean"]) > float(v1.tags["rlflow.eval.heldout.mean"])
@@ -112,7 +113,7 @@ def test_first_version_then_an_honest_improvement_is_promoted(gated):
 
 def test_equal_quality_is_not_promoted(gated):
     v3 = version(gated, 3)
-    assert v3.tags["rejected"].startswith("not significantly better: not better than champion v2")
+    assert v3.tags["rejected"].startswith("not significantly better than champion v2")
     assert "rlflow.promoted" not in v3.tags
 
 
@@ -139,7 +140,7 @@ def test_the_champions_logged_results_pair_with_a_re_evaluation_example_by_examp
     fingerprint = v3.tags["rlflow.eval.heldout.fingerprint"]
     logged = version_results(client, v2, "heldout", fingerprint)
     run_three = client.get_run(v3.run_id).info.run_name
-    start = EvalResults(**__import__("json").loads((gated["runs"] / run_three / "eval/start/heldout.json").read_text()))
+    start = EvalResults(**json.loads((gated["runs"] / run_three / "eval/start/heldout.json").read_text()))
     assert [r["score"] for r in logged.rows] == [r["score"] for r in start.rows]
     assert [r["response"] for r in logged.rows] == [r["response"] for r in start.rows]
     assert version_results(client, v2, "heldout", "0" * 16) is None  # another set or settings: never paired
@@ -163,9 +164,8 @@ def wait_paused(lineage: str, timeout_s: float = 300):
 
 
 def test_manual_promotion_pauses_for_a_person_and_follows_the_answer(gated, services):
-    from prefect.client.orchestration import get_client
-
     from browser import Browser
+    from prefect.client.orchestration import get_client
 
     process = lineage_run(gated, "trainer.promotion=manual", "trainer.total_steps=2", background=True)
     try:
