@@ -556,7 +556,10 @@ class WarmRayTaskRunner(RayTaskRunner):
             self.logger.info(
                 "Connecting to the Ray cluster at %s" if address else "Starting a local Ray%s", address or ""
             )
-            ray.init(address, **init_kwargs)
+            # no address: "local" starts a Ray of its own; Ray's default (None) would join a cluster that `ray start`
+            # left running on this machine, or one named by a stale /tmp/ray/ray_current_cluster, and then refuse
+            # num_cpus ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")
+            ray.init(address or "local", **init_kwargs)
             self._owns_ray = True  # RayTaskRunner.__exit__ shuts down the Ray it started
         self.host()
 

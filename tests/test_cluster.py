@@ -187,3 +187,32 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     clean_weights = load_file(f"{runs}/{name}-clean/final_model/model.safetensors")
     weights = load_file(f"{runs}/{name}/final_model/model.safetensors")
     assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
+
+
+def test_a_local_run_does_not_join_a_cluster_it_was_not_given(cluster, tmp_path):
+    """A `ray start` on this machine with Ray's default temp dir leaves /tmp/ray/ray_current_cluster behind (and a
+    killed one leaves it stale); Ray's ``ray.init()`` joins whatever it names. With trainer.ray_address unset,
+    `rlflow train` must start a Ray of its own instead of joining it and failing with Ray's "When connecting to an
+    existing cluster, num_cpus and num_gpus must not be provided" (the demo preset sets trainer.ray_num_cpus)."""
+    from ray._private.utils import get_ray_address_file
+
+    address_file = Path(get_ray_address_file(None))
+    saved = address_file.read_text() if address_file.exists() else None
+    address_file.parent.mkdir(parents=True, exist_ok=True)
+    address_file.write_text(cluster["address"])  # what `ray start --head` (default temp dir) writes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", "model.path=tiny",
+             f"trainer.runs_dir={tmp_path}", "trainer.run_name=own-ray", "trainer.total_steps=1",
+             "trainer.test_freq=0", "trainer.log_model=false", "trainer.log_samples=0"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        if saved is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(saved)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "Starting a local Ray" in output and "must not be provided" not in output
