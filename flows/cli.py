@@ -268,10 +268,25 @@ def up(
     prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
     mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
     timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints."),
+    postgres: str | None = typer.Option(
+        None,
+        envvar="RLFLOW_POSTGRES",
+        help="postgresql://user:password@host:port: both servers keep their state there (databases 'prefect' and "
+        "'mlflow', created when missing) instead of SQLite files",
+    ),
+    artifacts: str | None = typer.Option(
+        None, envvar="RLFLOW_ARTIFACTS", help="where MLflow stores artifacts and models, e.g. s3://bucket/mlflow"
+    ),
 ) -> None:
     """Start both servers in the background (or reuse running ones) and print their URLs."""
     config = _cli_config(
-        state_dir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port, startup_timeout_s=timeout
+        state_dir,
+        host=host,
+        prefect_port=prefect_port,
+        mlflow_port=mlflow_port,
+        startup_timeout_s=timeout,
+        postgres=postgres,
+        artifacts=artifacts,
     )
     try:
         with console.status("Starting the Prefect and MLflow servers..."):

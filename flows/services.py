@@ -74,6 +74,16 @@ class ServiceConfig(BaseModel):
     mlflow_port: int = Field(5000, ge=1, le=65535)
     startup_timeout_s: float = Field(90.0, gt=0, description="How long to wait for both health endpoints.")
     stop_grace_s: float = Field(10.0, ge=0, description="SIGTERM to SIGKILL delay when stopping.")
+    postgres: str | None = Field(
+        None,
+        description="postgresql://user:password@host:port of a PostgreSQL server: Prefect's server keeps its state in "
+        "its database 'prefect', MLflow's in 'mlflow' (both created when missing); unset = SQLite files in state_dir",
+    )
+    artifacts: str | None = Field(
+        None,
+        description="where MLflow's server stores artifacts and models (e.g. s3://bucket/mlflow; credentials and "
+        "MLFLOW_S3_ENDPOINT_URL from the environment); unset = state_dir/mlflow/artifacts",
+    )
     # One uvicorn worker: the handlers are thread-pooled, so one worker serves several logging processes, and
     # MLflow's default of 4 costs ~4 python processes (and their start-up) on a 2-core machine.
     mlflow_workers: int = Field(1, ge=1)
@@ -116,7 +126,9 @@ def _prefect_spec(config: ServiceConfig) -> _Spec:
     url = f"http://{_url_host(config.host)}:{config.prefect_port}"
     env = {
         "PREFECT_HOME": str(home),  # profiles and DB of the server live in the state folder, not ~/.prefect
-        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": postgres_url(config.postgres, "prefect", "asyncpg")
+        if config.postgres
+        else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # start-up analytics need the internet
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
         "PREFECT_UI_API_URL": f"{url}/api",  # else the UI would follow a PREFECT_API_URL inherited from the shell
@@ -168,11 +180,9 @@ def _mlflow_spec(config: ServiceConfig) -> _Spec:
         "-m",
         "mlflow",
         "server",
-        "--backend-store-uri",
-        f"sqlite:///{root / 'mlflow.db'}",
         "--serve-artifacts",
         "--artifacts-destination",
-        str(root / "artifacts"),
+        config.artifacts or str(root / "artifacts"),
         "--host",
         config.host,
         "--port",
@@ -181,6 +191,10 @@ def _mlflow_spec(config: ServiceConfig) -> _Spec:
         str(config.mlflow_workers),
     ]
     env = {
+        # the store in the environment, not on the command line: a PostgreSQL URL holds a password
+        "MLFLOW_BACKEND_STORE_URI": postgres_url(config.postgres, "mlflow", "psycopg")
+        if config.postgres
+        else f"sqlite:///{root / 'mlflow.db'}",
         # The job runner (a huey consumer for GenAI judge jobs) is not used by RL training: one process fewer.
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -196,6 +210,38 @@ def _mlflow_spec(config: ServiceConfig) -> _Spec:
         env,
         config.state_dir / "logs" / "mlflow.log",
     )
+
+
+def postgres_url(server: str, database: str, driver: str) -> str:
+    """SQLAlchemy's URL of ``database`` on the PostgreSQL ``server`` (postgresql://user:password@host:port)."""
+    parsed = urllib.parse.urlsplit(server)
+    if parsed.scheme not in ("postgresql", "postgres") or not parsed.hostname:
+        raise ValueError(f"--postgres {server!r}: give postgresql://user:password@host:port")
+    return f"postgresql+{driver}://{parsed.netloc}/{database}"
+
+
+def ensure_postgres_databases(server: str, databases: tuple[str, ...] = ("prefect", "mlflow")) -> list[str]:
+    """Create the servers' databases on ``server`` when missing (the user needs CREATEDB); returns those created.
+
+    Raises:
+        ServiceError: the server cannot be reached or refuses, with what to check.
+    """
+    import psycopg
+
+    parsed = urllib.parse.urlsplit(server)
+    try:
+        with psycopg.connect(f"postgresql://{parsed.netloc}/postgres", autocommit=True, connect_timeout=10) as conn:
+            existing = {row[0] for row in conn.execute("SELECT datname FROM pg_database")}
+            created = [name for name in databases if name not in existing]
+            for name in created:
+                conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.Error as error:
+        raise ServiceError(
+            f"PostgreSQL at {parsed.hostname}:{parsed.port or 5432} as {parsed.username!r}: "
+            f"{str(error).strip().splitlines()[0]}. Check that the server runs, the user and password, and that the "
+            f"user may create databases (or create {', '.join(databases)} yourself)"
+        ) from None
+    return created
 
 
 def _specs(config: ServiceConfig) -> dict[str, _Spec]:
@@ -438,6 +484,9 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
             to_start.append(spec)
         for spec in to_start:  # check every port before starting anything
             _check_port_free(config.host, spec)
+        if config.postgres and to_start:
+            for name in ensure_postgres_databases(config.postgres):
+                logger.info("Created the PostgreSQL database %r", name)
         procs = _start_and_wait(config, to_start, record)
         record["host"] = config.host
         _write_record(config, record)

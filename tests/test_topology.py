@@ -1,0 +1,172 @@
+"""The topology a team runs: `rlflow server up --postgres ... --artifacts s3://...` starts Prefect's server and
+MLflow's tracking server on a real PostgreSQL (a private cluster this module starts with Debian's postgresql
+binaries) with MLflow's artifacts in an S3-compatible store (moto's server); a lineage of two `rlflow train` runs
+then keeps its flow runs in Prefect's database, its runs and model versions in MLflow's, its models and eval tables
+in the bucket, and the second run starts from `models:/<lineage>@champion` downloaded from there.
+
+Needs PostgreSQL's server binaries (`apt-get install postgresql`; `.ci/run` installs it) and root or the postgres
+user to run them; skips with that hint otherwise.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.services import ServiceConfig, ServiceError, ensure_postgres_databases, start_services, stop_services
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def postgres_bin() -> Path:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if not found:
+        pytest.skip("PostgreSQL's server is not installed: `apt-get install postgresql` (Debian) runs this test")
+    if os.geteuid() != 0:
+        pytest.skip("starting a private PostgreSQL cluster needs root (to run it as the postgres user)")
+    return Path(found[-1]).parent
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A private PostgreSQL cluster on 127.0.0.1 (its own folder and port), with a login role that may create
+    databases, as a team's database server would hand out; removed afterwards."""
+    bin_dir = postgres_bin()
+    folder = Path(tempfile.mkdtemp(prefix="rlpg-", dir="/tmp"))  # not under pytest's root-only folders
+    shutil.chown(folder, "postgres")
+    folder.chmod(0o700)
+    port = free_port()
+
+    def as_postgres(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["runuser", "-u", "postgres", "--", *args], capture_output=True, text=True, timeout=120)
+
+    done = as_postgres(str(bin_dir / "initdb"), "-D", str(folder / "data"), "--auth-local=trust", "-U", "postgres")
+    assert done.returncode == 0, done.stderr
+    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1"
+    done = as_postgres(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-o", options, "-l", str(folder / "log"),
+                       "-w", "start")  # fmt: skip
+    assert done.returncode == 0, done.stderr + (folder / "log").read_text()
+    password = uuid.uuid4().hex
+    sql = f"CREATE ROLE team LOGIN PASSWORD '{password}' CREATEDB"
+    done = as_postgres(str(bin_dir / "psql"), "-h", str(folder), "-p", str(port), "-U", "postgres", "-c", sql)
+    assert done.returncode == 0, done.stderr
+    yield {"url": f"postgresql://team:{password}@127.0.0.1:{port}", "port": port, "psql": (bin_dir, folder)}
+    as_postgres(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-m", "fast", "stop")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def query(postgres, database: str, sql: str) -> list[str]:
+    bin_dir, folder = postgres["psql"]
+    done = subprocess.run(
+        ["runuser", "-u", "postgres", "--", str(bin_dir / "psql"), "-h", str(folder), "-p", str(postgres["port"]),
+         "-U", "postgres", "-d", database, "-tAc", sql],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 with a bucket; this process's AWS_* and MLFLOW_S3_ENDPOINT_URL point at it
+    (the MLflow server started below inherits them)."""
+    import time
+
+    import boto3
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "team", "AWS_SECRET_ACCESS_KEY": "team", "AWS_DEFAULT_REGION": "us-east-1",
+           "MLFLOW_S3_ENDPOINT_URL": endpoint}  # fmt: skip
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket="team-mlflow")
+            break
+        except Exception:
+            time.sleep(0.2)
+    yield client
+    server.terminate()
+    server.wait(10)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def team_services(postgres, bucket, tmp_path_factory):
+    config = ServiceConfig(
+        state_dir=tmp_path_factory.mktemp("team-home"),
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        postgres=postgres["url"],
+        artifacts="s3://team-mlflow/mlflow",
+        startup_timeout_s=180,
+    )
+    urls = start_services(config)
+    yield urls
+    stop_services(config)
+
+
+def rlflow_train(urls: dict, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_API_URL": urls["PREFECT_API_URL"], "MLFLOW_TRACKING_URI": urls["MLFLOW_TRACKING_URI"]}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_a_lineage_on_postgresql_with_artifacts_in_object_storage(team_services, postgres, bucket, tmp_path):
+    assert set(query(postgres, "postgres", "SELECT datname FROM pg_database")) >= {"prefect", "mlflow"}
+    lineage = f"team-{uuid.uuid4().hex[:6]}"
+    args = ["sft", "--config", "demo-sft", f"trainer.runs_dir={tmp_path}", f"trainer.lineage={lineage}",
+            "trainer.run_name=null", "trainer.total_steps=4", "trainer.test_freq=0", "trainer.save_freq=0"]  # fmt: skip
+    first = rlflow_train(team_services, *args)
+    second = rlflow_train(team_services, *args)
+    assert f"{lineage} v1 promoted" in first.stdout + first.stderr
+    assert f"from models:/{lineage}/1" in second.stdout + second.stderr  # downloaded through the server, from S3
+
+    # Prefect's flow runs and MLflow's runs and versions are rows in PostgreSQL, not in SQLite files
+    flow_runs = query(postgres, "prefect", f"SELECT state_name FROM flow_run WHERE name LIKE '{lineage}-%'")
+    assert flow_runs == ["Completed", "Completed"]
+    runs = query(postgres, "mlflow", f"SELECT status FROM runs WHERE name LIKE '{lineage}-%'")
+    assert runs == ["FINISHED", "FINISHED"]
+    versions = query(postgres, "mlflow", f"SELECT version FROM model_versions WHERE name = '{lineage}' ORDER BY 1")
+    assert versions == ["1", "2"]
+    assert not list(Path(team_services["env_file"]).parent.rglob("*.db"))
+
+    # the models and the per-example eval tables are objects in the bucket
+    keys = [o["Key"] for page in bucket.get_paginator("list_objects_v2").paginate(Bucket="team-mlflow")
+            for o in page.get("Contents", [])]  # fmt: skip
+    assert sum(key.endswith("/model/model.safetensors") for key in keys) >= 2
+    assert sum(key.endswith("/eval/validation/final.json") for key in keys) >= 2
+
+
+def test_a_postgresql_server_that_refuses_is_named_with_the_fix(postgres):
+    wrong = postgres["url"].replace("team:", "nobody:")
+    with pytest.raises(ServiceError, match=r"PostgreSQL at 127\.0\.0\.1:\d+ as 'nobody'.*user and password"):
+        ensure_postgres_databases(wrong)
