@@ -62,6 +62,7 @@ class EvalResults:
     fingerprint: str
     model: str
     rows: list[dict] = field(default_factory=list)
+    step: int = 0  # the training step the model had (final: trainer.total_steps then)
 
     @property
     def scores(self) -> list[float]:
@@ -115,14 +116,14 @@ def results_path(root: str, label: str, name: str) -> str:
     return f"{root}/eval/{label}/{name}.json"
 
 
-def read_results(root: str, label: str, eval_set: EvalSet) -> EvalResults | None:
-    """Saved results of ``label`` on ``eval_set``; ``None`` when there are none, or they are for another
-    fingerprint (the set or its settings changed)."""
+def read_results(root: str, label: str, eval_set: EvalSet, step: int = 0) -> EvalResults | None:
+    """Saved results of ``label`` on ``eval_set`` made at ``step``; ``None`` when there are none, or they are for
+    another fingerprint (the set or its settings changed) or step (a finished run trained further)."""
     try:
         results = EvalResults(**read_json(results_path(root, label, eval_set.name)))
     except FileNotFoundError:
         return None
-    return results if results.fingerprint == eval_set.fingerprint else None
+    return results if results.fingerprint == eval_set.fingerprint and results.step == step else None
 
 
 def write_results(root: str, results: EvalResults) -> None:

@@ -366,7 +366,8 @@ class Run:
     # ------------------------------------------------------------------------------------------ evaluation
     def saved_results(self, label: str) -> dict[str, evaluation.EvalResults] | None:
         """The results of ``label`` on every eval set, read back from the run folder; ``None`` if one is missing."""
-        found = {s.name: evaluation.read_results(self.root, label, s) for s in self.eval_sets}
+        step = 0 if label == "start" else self.config.trainer.total_steps
+        found = {s.name: evaluation.read_results(self.root, label, s, step) for s in self.eval_sets}
         return found if all(found.values()) else None
 
     def evaluate(self, step: int) -> dict[str, evaluation.EvalResults]:
@@ -375,10 +376,10 @@ class Run:
         label = evaluation.label_of(step)
         results = {}
         for eval_set in self.eval_sets:
-            saved = evaluation.read_results(self.root, label, eval_set)
+            saved = evaluation.read_results(self.root, label, eval_set, step)
             if saved is None and eval_set.scorer is None:
                 self.validate(step)  # the implicit set is scored by validation, which records it
-                saved = evaluation.read_results(self.root, label, eval_set)
+                saved = evaluation.read_results(self.root, label, eval_set, step)
             if saved is None:
                 data = self.config.data
                 rows = [conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in eval_set.rows]
@@ -398,7 +399,7 @@ class Run:
             for i, (p, r, g, score) in enumerate(zip(batch["raw_prompt"], responses, batch["ground_truth"], scores))
         ]
         model = self.record.model_uri if label == "start" else f"{self.config.trainer.run_name} step {step}"
-        results = evaluation.EvalResults(eval_set.name, label, eval_set.fingerprint, model, rows)
+        results = evaluation.EvalResults(eval_set.name, label, eval_set.fingerprint, model, rows, step)
         evaluation.write_results(self.root, results)
         self.tracker.log_table(rows, f"eval/{eval_set.name}/{label}.json")
         self.tracker.set_tags({f"rlflow.eval.{eval_set.name}.fingerprint": eval_set.fingerprint})
