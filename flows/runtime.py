@@ -21,10 +21,8 @@ import numpy as np
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import UnfinishedRun
-from prefect.input import RunInput
-from pydantic import Field
 
-from flows import evaluation, lineage
+from flows import evaluation, lineage, promotion
 from flows.config import RLConfig, flatten, runs_root
 from flows.stages import evaluate, save_checkpoint, validate
 from flows.tracking import (
@@ -461,7 +459,7 @@ class Run:
                 result["model_version"] = str(info.registered_model_version)
                 self.tracker.set_tags({"rlflow.model_version": result["model_version"]})
         if self.config.trainer.lineage and "model_version" in result:
-            result["decision"] = self.promote(result["model_version"], final)
+            result["decision"] = promotion.promote(self, result["model_version"], final)
         lineage.write_result(self.root, result)
         create_markdown_artifact(
             key=f"{artifact_key(self.config.trainer.run_name)}-result",
@@ -469,104 +467,6 @@ class Run:
             description=f"result of {self.config.trainer.run_name}",
         )
         return result
-
-    def promote(self, version: str, final: dict[str, evaluation.EvalResults]) -> str:
-        """Run the promotion gate on the final model's primary eval results (flows/evaluation.py) against the
-        champion as it is now (never a score cached earlier: a resumed run, or one whose champion moved while it
-        trained, compares with the current one); ask a person first with ``trainer.promotion=manual``."""
-        client = self.tracker.client
-        name, trainer, gate = lineage.registered_model_name(self.config), self.config.trainer, self.config.eval
-        primary = gate.primary_set
-        candidate = final[primary]
-        start = (self.saved_results("start") or {}).get(primary)
-        champion, best = lineage.gate_baselines(
-            client, name, trainer.promotion_alias, candidate, start, started_from=self.record.model_uri
-        )
-        decision = evaluation.gate(
-            candidate,
-            start=start,
-            champion=champion,
-            best=best,
-            reward_change=self.reward_change(),
-            promote_if=gate.promote_if,
-            confidence=gate.confidence,
-            margin=gate.margin,
-            hacking_threshold=gate.hacking_threshold,
-        )
-        markdown = evaluation.decision_markdown(name, version, decision, primary)
-        logger = get_run_logger()
-        if decision.hacking:
-            logger.warning("%s v%s: %s", name, version, decision.hacking)
-            self.tracker.set_tags({"rlflow.reward_hacking": decision.hacking})
-        how = "promoted by its run"
-        if trainer.promotion == "manual":
-            pending = evaluation.decision_markdown(name, version, decision, primary, pending=True)
-            decision, how = self.ask_approval(name, version, decision, pending)
-            markdown = evaluation.decision_markdown(name, version, decision, primary)
-        lineage.record_decision(client, name, version, trainer.promotion_alias, decision, final, markdown, how)
-        create_markdown_artifact(
-            key=f"{artifact_key(trainer.run_name)}-promotion",
-            markdown=markdown,
-            description=f"promotion gate of {name} v{version}",
-        )
-        verdict = f"promoted to @{trainer.promotion_alias}" if decision.promote else "rejected"
-        self.tracker.set_tags(
-            {
-                "rlflow.promotion": f"v{version} {verdict}: {decision.reason}",
-                "rlflow.promoted": str(decision.promote).lower(),
-            }
-        )
-        logger.info("%s v%s %s: %s", name, version, verdict, decision.reason)
-        return f"v{version} {verdict}: {decision.reason}"
-
-    def reward_change(self) -> float | None:
-        """The training reward's change over the run: validation's ``val/score/mean``, final - start."""
-        history = {
-            m.step: m.value for m in self.tracker.client.get_metric_history(self.tracker.run_id, "val/score/mean")
-        }
-        total = self.config.trainer.total_steps
-        return history[total] - history[0] if 0 in history and total in history else None
-
-    def ask_approval(self, name: str, version: str, decision, markdown: str):
-        """``trainer.promotion=manual``: release the workers, pause the flow run with an approve / reject form in
-        the Prefect UI (the gate's comparison as its description) and follow the person's answer; no answer within
-        ``trainer.approval_timeout_s`` rejects."""
-        from prefect.exceptions import FlowPauseTimeout
-        from prefect.flow_runs import pause_flow_run
-
-        for group in self.distinct_groups().values():  # nothing needs them any more; a pause may last hours
-            group.shutdown()
-            if group.resource_pool is not None:
-                group.resource_pool.remove()
-        self.groups = {}
-        recommendation = "promote" if decision.promote else "reject"
-        form = PromotionApproval.with_initial_data(
-            description=f"{markdown}\n\nApprove to promote {name} v{version} to "
-            f"@{self.config.trainer.promotion_alias}, or leave it off to reject it.",
-            approve=decision.promote,
-        )
-        timeout = self.config.trainer.approval_timeout_s
-        try:
-            answer = pause_flow_run(
-                wait_for_input=form, timeout=int(timeout), poll_interval=2, key=f"promote-v{version}"
-            )
-        except FlowPauseTimeout:  # the run is still Paused on the server: back to Running, to end it Completed
-            from prefect.client.orchestration import get_client
-            from prefect.context import FlowRunContext
-            from prefect.states import Running
-
-            with get_client(sync_client=True) as client:
-                client.set_flow_run_state(FlowRunContext.get().flow_run.id, Running(), force=True)
-            reason = (
-                f"no approval within trainer.approval_timeout_s={timeout:g} s (the gate recommended: {recommendation})"
-            )
-            return evaluation.GateDecision(False, reason, decision.comparisons, decision.hacking), "not approved"
-        comment = f": {answer.comment}" if answer.comment else ""
-        if answer.approve:
-            reason = f"approved by a person{comment} (the gate recommended: {recommendation}; {decision.reason})"
-            return evaluation.GateDecision(True, reason, decision.comparisons, decision.hacking), "approved by a person"
-        reason = f"rejected by a person{comment} (the gate recommended: {recommendation}; {decision.reason})"
-        return evaluation.GateDecision(False, reason, decision.comparisons, decision.hacking), "rejected by a person"
 
     def distinct_groups(self) -> dict[str, RayWorkerGroup]:
         """The worker groups of ``groups``, each once, under its first role (``trainer.colocate_ref``: the reference
@@ -656,18 +556,16 @@ class Run:
             self.terminal.stop()
         if self.progress:
             self.progress.close()
+        self.release_workers()
+        self.tracker.finish(status)
+
+    def release_workers(self) -> None:
+        """Shut every worker group down and give its placement back (at the end, or before a long pause)."""
         for group in self.distinct_groups().values():
             group.shutdown()
             if group.resource_pool is not None:
                 group.resource_pool.remove()
-        self.tracker.finish(status)
-
-
-class PromotionApproval(RunInput):
-    """The form a paused run shows in the Prefect UI (``trainer.promotion=manual``)."""
-
-    approve: bool = Field(description="promote this version to the lineage's alias")
-    comment: str = Field("", description="why (recorded on the model version and in the champion history)")
+        self.groups = {}
 
 
 class TerminalProgress:

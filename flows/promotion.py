@@ -1,0 +1,111 @@
+"""A lineage's new version: the promotion gate's decision on it (flows/evaluation.py), and a person's when
+``trainer.promotion=manual`` asks for one. ``run`` is the flow's ``flows.runtime.Run``, after its final model was
+registered."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.input import RunInput
+from pydantic import Field
+
+from flows import evaluation, lineage
+from flows.tracking import artifact_key
+
+
+class PromotionApproval(RunInput):
+    """The form a paused run shows in the Prefect UI (``trainer.promotion=manual``)."""
+
+    approve: bool = Field(description="promote this version to the lineage's alias")
+    comment: str = Field("", description="why (recorded on the model version and in the champion history)")
+
+
+def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
+    """Run the promotion gate on the final model's primary eval results (flows/evaluation.py) against the
+    champion as it is now (never a score cached earlier: a resumed run, or one whose champion moved while it
+    trained, compares with the current one); ask a person first with ``trainer.promotion=manual``."""
+    client = run.tracker.client
+    name, trainer, gate = lineage.registered_model_name(run.config), run.config.trainer, run.config.eval
+    primary = gate.primary_set
+    candidate = final[primary]
+    start = (run.saved_results("start") or {}).get(primary)
+    champion, best = lineage.gate_baselines(
+        client, name, trainer.promotion_alias, candidate, start, started_from=run.record.model_uri
+    )
+    decision = evaluation.gate(
+        candidate,
+        start=start,
+        champion=champion,
+        best=best,
+        reward_change=reward_change(run),
+        promote_if=gate.promote_if,
+        confidence=gate.confidence,
+        margin=gate.margin,
+        hacking_threshold=gate.hacking_threshold,
+    )
+    markdown = evaluation.decision_markdown(name, version, decision, primary)
+    logger = get_run_logger()
+    if decision.hacking:
+        logger.warning("%s v%s: %s", name, version, decision.hacking)
+        run.tracker.set_tags({"rlflow.reward_hacking": decision.hacking})
+    how = "promoted by its run"
+    if trainer.promotion == "manual":
+        pending = evaluation.decision_markdown(name, version, decision, primary, pending=True)
+        decision, how = ask_approval(run, name, version, decision, pending)
+        markdown = evaluation.decision_markdown(name, version, decision, primary)
+    lineage.record_decision(client, name, version, trainer.promotion_alias, decision, final, markdown, how)
+    create_markdown_artifact(
+        key=f"{artifact_key(trainer.run_name)}-promotion",
+        markdown=markdown,
+        description=f"promotion gate of {name} v{version}",
+    )
+    verdict = f"promoted to @{trainer.promotion_alias}" if decision.promote else "rejected"
+    run.tracker.set_tags(
+        {
+            "rlflow.promotion": f"v{version} {verdict}: {decision.reason}",
+            "rlflow.promoted": str(decision.promote).lower(),
+        }
+    )
+    logger.info("%s v%s %s: %s", name, version, verdict, decision.reason)
+    return f"v{version} {verdict}: {decision.reason}"
+
+
+def reward_change(run) -> float | None:
+    """The training reward's change over the run: validation's ``val/score/mean``, final - start."""
+    history = {m.step: m.value for m in run.tracker.client.get_metric_history(run.tracker.run_id, "val/score/mean")}
+    total = run.config.trainer.total_steps
+    return history[total] - history[0] if 0 in history and total in history else None
+
+
+def ask_approval(run, name: str, version: str, decision, markdown: str):
+    """``trainer.promotion=manual``: release the workers, pause the flow run with an approve / reject form in
+    the Prefect UI (the gate's comparison as its description) and follow the person's answer; no answer within
+    ``trainer.approval_timeout_s`` rejects."""
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import pause_flow_run
+
+    run.release_workers()  # nothing needs them any more, and a pause may last hours
+    recommendation = "promote" if decision.promote else "reject"
+    form = PromotionApproval.with_initial_data(
+        description=f"{markdown}\n\nApprove to promote {name} v{version} to "
+        f"@{run.config.trainer.promotion_alias}, or leave it off to reject it.",
+        approve=decision.promote,
+    )
+    timeout = run.config.trainer.approval_timeout_s
+    try:
+        answer = pause_flow_run(wait_for_input=form, timeout=int(timeout), poll_interval=2, key=f"promote-v{version}")
+    except FlowPauseTimeout:  # the run is still Paused on the server: back to Running, to end it Completed
+        from prefect.client.orchestration import get_client
+        from prefect.context import FlowRunContext
+        from prefect.states import Running
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(FlowRunContext.get().flow_run.id, Running(), force=True)
+        reason = f"no approval within trainer.approval_timeout_s={timeout:g} s (the gate recommended: {recommendation})"
+        return evaluation.GateDecision(False, reason, decision.comparisons, decision.hacking), "not approved"
+    comment = f": {answer.comment}" if answer.comment else ""
+    if answer.approve:
+        reason = f"approved by a person{comment} (the gate recommended: {recommendation}; {decision.reason})"
+        return evaluation.GateDecision(True, reason, decision.comparisons, decision.hacking), "approved by a person"
+    reason = f"rejected by a person{comment} (the gate recommended: {recommendation}; {decision.reason})"
+    return evaluation.GateDecision(False, reason, decision.comparisons, decision.hacking), "rejected by a person"
