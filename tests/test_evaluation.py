@@ -51,6 +51,18 @@ def test_equal_quality_is_not_promoted_on_noise():
     assert promoted <= 10, f"{promoted} of 200 equal-quality candidates promoted (a 95% interval allows ~5)"
 
 
+def test_a_few_flipped_answers_are_not_an_improvement():
+    """4 of 200 answers flipped to right, none to wrong: the percentile bootstrap's interval alone excludes 0, but
+    McNemar's exact p is 0.125: not promoted."""
+    champion = [1.0] * 150 + [0.0] * 50
+    candidate = [1.0] * 154 + [0.0] * 46
+    decision = gate(results(candidate), start=None, champion=("champion v1", results(champion)), best=None,
+                    reward_change=None, **GATE)  # fmt: skip
+    comparison = decision.comparisons[-1]
+    assert comparison.paired.low > 0 and comparison.p_value == 0.125
+    assert not decision.promote and comparison.verdict == "non-inferior"
+
+
 def test_a_clear_improvement_is_promoted():
     rng = np.random.default_rng(1)
     promoted = 0
