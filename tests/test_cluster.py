@@ -43,11 +43,8 @@ class Node:
     """One `ray start` (head or worker) with its own temp dir; stopped by killing its processes, not `ray stop`
     (which would end every Ray on the machine, the test session's own included)."""
 
-    def __init__(
-        self, env: dict, num_cpus: int, head_port: int | None = None, resources: str = "{}", client_port: int = 0
-    ):
+    def __init__(self, env: dict, num_cpus: int, head_port: int | None = None, resources: str = "{}"):
         self.env, self.num_cpus, self.head_port, self.resources = env, num_cpus, head_port, resources
-        self.client_port = client_port  # the head's Ray Client server (ray://), as KubeRay exposes it
         self.temp_dir = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")  # short: Ray's socket paths have a length limit
 
     def start(self, address: str | None = None) -> None:
@@ -63,8 +60,6 @@ class Node:
         args += (
             [f"--address={address}"] if address else ["--head", f"--port={self.head_port}", "--include-dashboard=false"]
         )
-        if self.client_port:
-            args.append(f"--ray-client-server-port={self.client_port}")
         subprocess.run(args, env=self.env, check=True, capture_output=True, timeout=120)
 
     def processes(self) -> list[psutil.Process]:
@@ -97,17 +92,11 @@ def cluster(services):
     }
     env.pop("RAY_ADDRESS", None)
     port = free_port()
-    head = Node(env, num_cpus=2, head_port=port, client_port=free_port())
+    head = Node(env, num_cpus=2, head_port=port)
     other = Node(env, num_cpus=3, resources='{"second_node": 1}')
     head.start()
     other.start(address=f"127.0.0.1:{port}")
-    yield {
-        "address": f"127.0.0.1:{port}",
-        "client_address": f"ray://127.0.0.1:{head.client_port}",
-        "env": env,
-        "head": head,
-        "other": other,
-    }
+    yield {"address": f"127.0.0.1:{port}", "env": env, "head": head, "other": other}
     other.kill()
     head.kill()
     left = head.processes() + other.processes()
@@ -227,22 +216,3 @@ def test_a_local_run_does_not_join_a_cluster_it_was_not_given(cluster, tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "Starting a local Ray" in output and "must not be provided" not in output
-
-
-def test_grpo_through_ray_client(cluster, tmp_path):
-    """trainer.ray_address=ray://host:port (Ray Client, what KubeRay and Anyscale hand out): the flow runs here, its
-    task host and worker groups on the cluster, and the run finishes with its model."""
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", "model.path=tiny",
-         f"trainer.runs_dir={tmp_path}", "trainer.run_name=via-client",
-         f"trainer.ray_address={cluster['client_address']}",
-         "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0", "trainer.log_model=false",
-         "trainer.log_samples=0", "data.train_batch_size=8", "data.val_batch_size=8", "rollout.n=4",
-         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8"],
-        env=cluster["env"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert f"Connecting to the Ray cluster at {cluster['client_address']}" in output
-    assert (tmp_path / "via-client" / "final_model" / "model.safetensors").exists()
-    assert (tmp_path / "via-client" / "checkpoints" / "step_2" / "manifest.json").exists()
