@@ -96,25 +96,20 @@ def bucket(tmp_path_factory):
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
     )
     endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "team", "AWS_SECRET_ACCESS_KEY": "team", "AWS_DEFAULT_REGION": "us-east-1",
-           "MLFLOW_S3_ENDPOINT_URL": endpoint}  # fmt: skip
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    client = boto3.client("s3", endpoint_url=endpoint)
-    for _ in range(100):
-        try:
-            client.create_bucket(Bucket="team-mlflow")
-            break
-        except Exception:
-            time.sleep(0.2)
-    yield client
-    server.terminate()
-    server.wait(10)
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with pytest.MonkeyPatch.context() as env:  # module scope: pytest's monkeypatch fixture is per test
+        for key, value in (("AWS_ACCESS_KEY_ID", "team"), ("AWS_SECRET_ACCESS_KEY", "team"),
+                           ("AWS_DEFAULT_REGION", "us-east-1"), ("MLFLOW_S3_ENDPOINT_URL", endpoint)):  # fmt: skip
+            env.setenv(key, value)
+        client = boto3.client("s3", endpoint_url=endpoint)
+        for _ in range(100):  # until moto's server answers
+            try:
+                client.create_bucket(Bucket="team-mlflow")
+                break
+            except Exception:
+                time.sleep(0.2)
+        yield client
+        server.terminate()
+        server.wait(10)
 
 
 @pytest.fixture(scope="module")
