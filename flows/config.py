@@ -219,12 +219,45 @@ class EvalSetConfig(_Frozen):
         "'package.module:fn' (reward.reward_fn's forms); auto = the rule for each row's data_source",
     )
     max_examples: int | None = Field(None, gt=0, description="the first N rows (unset = all)")
-    decoding: Literal["greedy"] = Field("greedy", description="greedy: one deterministic response per example")
+    decoding: Literal["greedy", "sampled"] = Field(
+        "greedy", description="greedy: one deterministic response per example; sampled: `samples` drawn with `seed`"
+    )
+    samples: int = Field(1, ge=1, le=64, description="responses per example (decoding=sampled)")
+    temperature: float | None = Field(None, gt=0, description="decoding=sampled (unset = rollout.temperature)")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="decoding=sampled: the same seed draws the same responses; the draws never touch the training's "
+        "random state",
+    )
+    metric: str = Field(
+        "mean",
+        pattern=r"^(mean|pass@[1-9][0-9]*)$",
+        description="an example's score from its responses: mean, or pass@k (the chance that one of k responses "
+        "scores 1, estimated without bias from `samples` >= k)",
+    )
 
     @field_validator("files")
     @classmethod
     def _one_or_many(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_decoding(self):
+        where = f"eval.sets[{self.name}]"
+        if self.decoding == "greedy" and (self.samples > 1 or self.temperature is not None):
+            raise ValueError(
+                f"{where}: greedy decoding gives one deterministic response per example; set decoding: sampled "
+                "for samples > 1 or a temperature"
+            )
+        if self.metric.startswith("pass@") and self.k > self.samples:
+            raise ValueError(f"{where}.metric {self.metric} needs samples >= {self.k} (got {self.samples})")
+        return self
+
+    @property
+    def k(self) -> int:
+        """pass@k's k (1 for the mean)."""
+        return int(self.metric.removeprefix("pass@")) if self.metric.startswith("pass@") else 1
 
 
 class EvalConfig(_Frozen):

@@ -2,7 +2,10 @@
 
 Every run evaluates its start model (before step 1, label ``start``) and its final model (label ``final``) on every
 set of ``eval.sets`` (none configured: one set, ``validation``, the validation rows scored by the training reward).
-Greedy decoding, one response per example. Per-example results (prompt, response, ground truth, score) are written
+Greedy decoding gives one response per example; ``decoding: sampled`` draws ``samples`` responses per example with
+the set's own ``seed`` (the draws never touch the training's random state, so adding a sampled set changes nothing
+about training) and an example's score is their ``mean`` or their ``pass@k``. Per-example results (prompt, response,
+ground truth, score; the responses and their scores when sampled) are written
 to ``<run>/eval/<label>/<set>.json`` (a resumed or restarted run reads them back instead of evaluating again) and
 logged to MLflow as a table (``eval/<set>/<label>.json``) with the metric ``eval/<set>/score/mean``.
 
@@ -36,6 +39,7 @@ from rlworkers.algorithms.comparison import (
     detectable_difference,
     mcnemar_p_value,
     paired_bootstrap,
+    pass_at_k,
 )
 from rlworkers.checkpoint import read_json, write_json
 
@@ -45,12 +49,19 @@ LABELS = {0: "start"}  # step -> label; the final step's is "final"
 
 @dataclass(frozen=True)
 class EvalSet:
-    """A resolved eval set: its rows, its scorer (``None``: the training reward) and its fingerprint."""
+    """A resolved eval set: its rows, its scorer (``None``: the training reward), its fingerprint, how responses
+    are drawn (``sampling``: the generate call's meta_info) and how an example's responses make its score."""
 
     name: str
     rows: list[dict]
     scorer: str | None
     fingerprint: str
+    sampling: dict = field(default_factory=lambda: {"do_sample": False, "n": 1})
+    metric: str = "mean"
+
+    @property
+    def samples(self) -> int:
+        return int(self.sampling["n"])
 
 
 @dataclass
@@ -83,8 +94,17 @@ def resolve_sets(config: RLConfig, val_rows: list[dict], load_rows) -> list[Eval
     for spec in config.eval.sets:
         rows = load_rows(spec.files) if spec.files else val_rows
         rows = rows[: spec.max_examples or len(rows)]
-        sets.append(EvalSet(spec.name, rows, spec.scorer, fingerprint(config, rows, spec.scorer, spec)))
+        digest = fingerprint(config, rows, spec.scorer, spec)
+        sets.append(EvalSet(spec.name, rows, spec.scorer, digest, sampling(config, spec), spec.metric))
     return sets
+
+
+def sampling(config: RLConfig, spec: EvalSetConfig) -> dict:
+    """The generate call's settings for a set: greedy, or ``samples`` draws at its temperature with its seed."""
+    if spec.decoding == "greedy":
+        return {"do_sample": False, "n": 1}
+    temperature = spec.temperature if spec.temperature is not None else config.rollout.temperature
+    return {"do_sample": True, "n": spec.samples, "temperature": temperature, "seed": spec.seed}
 
 
 def fingerprint(config: RLConfig, rows: list[dict], scorer: str, spec: EvalSetConfig | None = None) -> str:
@@ -103,12 +123,42 @@ def fingerprint(config: RLConfig, rows: list[dict], scorer: str, spec: EvalSetCo
         "truncation": config.data.truncation,
         "chat_template_kwargs": config.data.apply_chat_template_kwargs,
     }
+    if spec and spec.metric != "mean":
+        settings["metric"] = spec.metric
+    if spec and spec.decoding == "sampled":  # the draws also depend on how the examples are split over workers
+        settings.update(sampling(config, spec), workers=config.trainer.n_workers, rollout=config.rollout.name)
     digest.update(json.dumps(settings, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 
 
 def label_of(step: int) -> str:
     return LABELS.get(step, "final")
+
+
+def example_rows(
+    prompts: list[str], responses: list[str], ground_truths: list, scores: list[float], eval_set: EvalSet
+) -> list[dict]:
+    """Per-example rows from a generate call's output (``samples`` responses per example, interleaved: a a b b):
+    greedy, the one response and its score; sampled, every response and score, and the example's score by the
+    set's metric (mean, or pass@k counting a response that scores 1 as passing)."""
+    n = eval_set.samples
+    rows = []
+    for i in range(len(prompts) // n):
+        drawn = [float(x) for x in scores[i * n : (i + 1) * n]]
+        row = {
+            "index": i,
+            "prompt": prompts[i * n],
+            "response": responses[i * n],
+            "ground_truth": str(ground_truths[i * n]),
+        }
+        if eval_set.metric == "mean":
+            row["score"] = sum(drawn) / n
+        else:
+            row["score"] = pass_at_k(n, sum(x >= 1.0 for x in drawn), int(eval_set.metric.removeprefix("pass@")))
+        if n > 1:
+            row |= {"responses": responses[i * n : (i + 1) * n], "scores": drawn}
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -277,7 +327,7 @@ def decision_markdown(model: str, version: str, decision: GateDecision, primary:
         lines += [f"> :warning: {decision.hacking}", ""]
     if decision.comparisons:
         lines += [
-            f"Paired comparison on `{primary}` (the same examples, greedy decoding; candidate - baseline):",
+            f"Paired comparison on `{primary}` (the same examples and decoding; candidate - baseline):",
             "",
             "| against | n | baseline | candidate | difference | interval | McNemar p | verdict |",
             "|---|---|---|---|---|---|---|---|",

@@ -288,7 +288,9 @@ def continue_data_cursor(loader, cursor: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- promotion
-EVAL_TAG = "rlflow.eval.{set}.{field}"  # on a model version: mean, n, fingerprint, results (an artifact path)
+# on a model version: mean, n, fingerprint, results (an artifact path), run (the run holding it, when not the
+# version's own: a later run that re-evaluated the version)
+EVAL_TAG = "rlflow.eval.{set}.{field}"
 
 
 def record_decision(
@@ -297,13 +299,7 @@ def record_decision(
     """Tag ``version`` with its eval results and the gate's decision, describe it, and move ``alias`` to it when
     the decision promotes. ``results``: set name -> the version's ``EvalResults`` (final). Returns the decision."""
     for result in results.values():
-        for field, value in (
-            ("mean", f"{result.mean:.6g}"),
-            ("n", str(len(result.rows))),
-            ("fingerprint", result.fingerprint),
-            ("results", f"eval/{result.set}/final.json"),
-        ):
-            client.set_model_version_tag(name, version, EVAL_TAG.format(set=result.set, field=field), value)
+        tag_results(client, name, version, result)
     client.update_model_version(name, version, description=description)
     if decision.hacking:
         client.set_model_version_tag(name, version, "rlflow.reward_hacking", decision.hacking)
@@ -315,6 +311,21 @@ def record_decision(
     return {"promoted": decision.promote, "reason": decision.reason}
 
 
+def tag_results(client, name: str, version: str, result, run_id: str | None = None) -> None:
+    """Point ``version``'s eval tags of ``result.set`` at ``result`` (its MLflow table ``eval/<set>/<label>.json``,
+    in ``run_id`` when another run than the version's own made it)."""
+    fields = {
+        "mean": f"{result.mean:.6g}",
+        "n": str(len(result.rows)),
+        "fingerprint": result.fingerprint,
+        "results": f"eval/{result.set}/{result.label}.json",
+    }
+    if run_id:
+        fields["run"] = run_id
+    for field, value in fields.items():
+        client.set_model_version_tag(name, version, EVAL_TAG.format(set=result.set, field=field), value)
+
+
 def version_results(client, version, set_name: str, fingerprint: str):
     """A registered version's own final results on ``set_name``, read from its run's MLflow table; ``None`` when
     it has none made with ``fingerprint`` (other examples or settings)."""
@@ -323,18 +334,20 @@ def version_results(client, version, set_name: str, fingerprint: str):
     tags = version.tags or {}
     if tags.get(EVAL_TAG.format(set=set_name, field="fingerprint")) != fingerprint or not version.run_id:
         return None
+    run_id = tags.get(EVAL_TAG.format(set=set_name, field="run"), version.run_id)
     with tempfile.TemporaryDirectory() as folder:
-        path = client.download_artifacts(version.run_id, tags[EVAL_TAG.format(set=set_name, field="results")], folder)
+        path = client.download_artifacts(run_id, tags[EVAL_TAG.format(set=set_name, field="results")], folder)
         with open(path) as f:
             table = json.load(f)
     return results_from_table(table, set_name, "final", fingerprint, f"models:/{version.name}/{version.version}")
 
 
-def gate_baselines(client, name: str, alias: str, candidate, start, started_from: str):
+def gate_baselines(client, name: str, alias: str, candidate, start, started_from: str, reevaluate=None):
     """What the gate compares ``candidate`` (final ``EvalResults``) with: the champion as it is now, as (label,
     results or ``None``), and the lineage's best version when it is not the champion and scored higher, as (label,
     results); ``None`` where there is none. A run that started from the current champion has the champion's
-    results already: its ``start`` results (same run, same machine)."""
+    results already: its ``start`` results (same run, same machine); else the champion's own logged results when
+    they were made with the candidate's settings, else ``reevaluate(champion version)``'s, when given."""
     champion = champion_version(client, name, alias)
     if champion is None:
         return None, None
@@ -342,6 +355,8 @@ def gate_baselines(client, name: str, alias: str, candidate, start, started_from
         champion_results = start
     else:
         champion_results = version_results(client, champion, candidate.set, candidate.fingerprint)
+        if champion_results is None and reevaluate is not None:
+            champion_results = reevaluate(champion)
     best = best_version(client, name, candidate.set, candidate.fingerprint, exclude=champion.version)
     mean_tag = EVAL_TAG.format(set=candidate.set, field="mean")
     if best is None or (champion_results is not None and float(best.tags[mean_tag]) <= champion_results.mean):

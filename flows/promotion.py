@@ -30,7 +30,7 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     candidate = final[primary]
     start = (run.saved_results("start") or {}).get(primary)
     champion, best = lineage.gate_baselines(
-        client, name, trainer.promotion_alias, candidate, start, started_from=run.record.model_uri
+        client, name, trainer.promotion_alias, candidate, start, run.record.model_uri, reevaluate_with(run, primary)
     )
     decision = evaluation.gate(
         candidate,
@@ -68,6 +68,24 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     )
     logger.info("%s v%s %s: %s", name, version, verdict, decision.reason)
     return f"v{version} {verdict}: {decision.reason}"
+
+
+def reevaluate_with(run, set_name: str):
+    """How the gate gets results for a champion that has none made with this run's eval settings (its eval set
+    changed, or it was promoted by hand from elsewhere): evaluate it now, in this run, and point its eval tags at
+    the new results, so the next run of the lineage reuses them."""
+    eval_set = next(s for s in run.eval_sets if s.name == set_name)
+
+    def reevaluate(version) -> evaluation.EvalResults:
+        get_run_logger().info(
+            "champion v%s has no %s results with these settings: evaluating it in this run", version.version, set_name
+        )
+        uri = f"models:/{version.name}/{version.version}"
+        results = run.evaluate_model(uri, eval_set, label=f"champion_v{version.version}")
+        lineage.tag_results(run.tracker.client, version.name, version.version, results, run.tracker.run_id)
+        return results
+
+    return reevaluate
 
 
 def reward_change(run) -> float | None:

@@ -379,24 +379,62 @@ class Run:
                 self.validate(step)  # the implicit set is scored by validation, which records it
                 saved = evaluation.read_results(self.root, label, eval_set, step)
             if saved is None:
-                data = self.config.data
-                rows = [conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in eval_set.rows]
-                scorer = RuleReward(RewardConfig(reward_fn=eval_set.scorer), self.record.model_dir)
-                out = evaluate.submit(self.groups["actor"], scorer, self.prompt_batch(rows), step).result()
+                out = self.generate_for_eval(self.groups["actor"], eval_set, step)
                 saved = self.record_results(eval_set, label, step, out, decode_responses(out, self.tokenizer))
                 self.tracker.log_metrics({f"eval/{eval_set.name}/score/mean": saved.mean}, step)
             results[eval_set.name] = saved
         return results
 
-    def record_results(self, eval_set, label: str, step: int, out, responses: list[str]) -> evaluation.EvalResults:
+    def generate_for_eval(self, group, eval_set, step: int):
+        """``group``'s responses on ``eval_set``'s prompts with its decoding settings, scored by its scorer (the
+        implicit set: by the training reward, which must then be a rule)."""
+        data = self.config.data
+        rows = [conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in eval_set.rows]
+        reward = RewardConfig(reward_fn=eval_set.scorer) if eval_set.scorer is not None else self.config.reward
+        prompts = self.prompt_batch(rows)
+        prompts.meta_info.update(eval_set.sampling)
+        return evaluate.submit(group, RuleReward(reward, self.record.model_dir), prompts, step).result()
+
+    def evaluate_model(self, uri: str, eval_set, label: str) -> evaluation.EvalResults:
+        """Another registered model (a champion with no results made with this run's settings) on ``eval_set``, as
+        this run evaluates its own: the same examples, decoding, scorer and worker count, in a rollout-only group of
+        its own. The run's workers are let go first (its final model is saved by then). Read back on a restart."""
+        step = self.config.trainer.total_steps
+        saved = evaluation.read_results(self.root, label, eval_set, step)
+        if saved is not None:
+            return saved
+        if eval_set.scorer is None and self.config.reward.reward_model is not None:
+            raise ValueError(f"{eval_set.name!r} is scored by a reward model: give eval.sets a rule scorer")
+        folder = lineage.download_model(uri, self.tracker.client, lineage.cache_root(self.config))
+        self.release_workers()
+        trainer, worker_config = self.config.trainer, self.config.worker_config()
+        model = worker_config.model.model_copy(update={"path": folder})
+        actor = worker_config.actor.model_copy(update={"lora": type(worker_config.actor.lora)()})  # loads merged
+        group = build_group(
+            ActorRolloutRefWorker,
+            trainer.n_workers,
+            use_gpu=trainer.device == "cuda",
+            timeout=(trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample),
+            config=worker_config.model_copy(update={"model": model, "actor": actor}),
+            role="rollout",
+        )
+        try:
+            out = self.generate_for_eval(group, eval_set, step)
+        finally:
+            group.shutdown()
+            group.resource_pool.remove()
+        return self.record_results(eval_set, label, step, out, decode_responses(out, self.tokenizer), model=uri)
+
+    def record_results(
+        self, eval_set, label: str, step: int, out, responses: list[str], model: str | None = None
+    ) -> evaluation.EvalResults:
         """Per-example results of one evaluation: into the run folder (resume reads them) and MLflow (a table)."""
         batch = out.non_tensor_batch
-        scores = batch["score"].astype(float)
-        rows = [
-            {"index": i, "prompt": p, "response": r, "ground_truth": str(g), "score": float(score)}
-            for i, (p, r, g, score) in enumerate(zip(batch["raw_prompt"], responses, batch["ground_truth"], scores))
-        ]
-        model = self.record.model_uri if label == "start" else f"{self.config.trainer.run_name} step {step}"
+        scores = batch["score"].astype(float).tolist()
+        prompts, truths = list(batch["raw_prompt"]), list(batch["ground_truth"])
+        rows = evaluation.example_rows(prompts, responses, truths, scores, eval_set)
+        if model is None:
+            model = self.record.model_uri if label == "start" else f"{self.config.trainer.run_name} step {step}"
         results = evaluation.EvalResults(eval_set.name, label, eval_set.fingerprint, model, rows, step)
         evaluation.write_results(self.root, results)
         self.tracker.log_table(rows, f"eval/{eval_set.name}/{label}.json")

@@ -194,8 +194,10 @@ def validate(actor_rollout, reward, prompts: DataProto, step: int) -> DataProto:
 
 @stage("evaluate", IDEMPOTENT, timing="evaluate")
 def evaluate(actor_rollout, scorer, prompts: DataProto, step: int) -> DataProto:
-    """Greedy generation on an eval set's prompts, scored by the set's scorer (not the training reward)."""
-    prompts.meta_info.update(do_sample=False, n=1)
+    """Generation on an eval set's prompts (greedy unless ``prompts.meta_info`` asks for seeded samples: the eval
+    set's ``sampling``), scored by the set's scorer (not the training reward)."""
+    prompts.meta_info.setdefault("do_sample", False)
+    prompts.meta_info.setdefault("n", 1)
     gen = actor_rollout.generate_sequences(prompts)
     gen.union(scorer.compute_rm_score(gen))
     return gen

@@ -11,6 +11,7 @@ from rlworkers.algorithms.comparison import (
     detectable_difference,
     mcnemar_p_value,
     paired_bootstrap,
+    pass_at_k,
 )
 
 
@@ -65,3 +66,12 @@ def test_detectable_difference_by_hand():
     assert detectable_difference(800, 0.1) == pytest.approx(detectable_difference(200, 0.1) / 2)
     with pytest.raises(ValueError, match="discordant"):
         detectable_difference(100, 0)
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # one of four samples passes: 1/4 for one draw
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(4, 3, 2) == 1.0 and pass_at_k(4, 0, 4) == 0.0  # two draws always include a passing one
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(2, 1, 3)

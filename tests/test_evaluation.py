@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from flows.config import ConfigError, load_config
-from flows.evaluation import EvalResults, compare, decision_markdown, gate, results_from_table
+from flows.evaluation import (
+    EvalResults,
+    EvalSet,
+    compare,
+    decision_markdown,
+    example_rows,
+    gate,
+    resolve_sets,
+    results_from_table,
+)
 
 GATE = {"promote_if": "better", "confidence": 0.95, "margin": 0.02, "hacking_threshold": 0.02}
 
@@ -155,3 +164,49 @@ def test_eval_config_errors_name_the_field():
         load_config("demo", ["eval.sets=[{name: a}, {name: a}]"])
     config = load_config("demo", ["eval.sets=[{name: heldout, scorer: exact, max_examples: 50}]"])
     assert config.eval.primary_set == "heldout" and config.eval.sets[0].decoding == "greedy"
+
+    with pytest.raises(ConfigError, match="greedy decoding gives one deterministic response"):
+        load_config("demo", ["eval.sets=[{name: heldout, samples: 4}]"])
+    with pytest.raises(ConfigError, match="pass@4 needs samples >= 4"):
+        load_config("demo", ["eval.sets=[{name: heldout, decoding: sampled, samples: 2, metric: pass@4}]"])
+    with pytest.raises(ConfigError, match="metric"):
+        load_config("demo", ["eval.sets=[{name: heldout, metric: best}]"])
+
+
+def test_sampled_examples_score_by_their_mean_or_pass_at_k():
+    prompts = ["a", "a", "a", "a", "b", "b", "b", "b"]  # 4 samples per example, interleaved as generate returns them
+    responses = ["1", "2", "3", "4", "5", "6", "7", "8"]
+    scores = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+    def rows(metric):
+        sampled = EvalSet("heldout", [], "exact", "f" * 16, {"do_sample": True, "n": 4, "seed": 0}, metric)
+        return example_rows(prompts, responses, ["g1"] * 4 + ["g2"] * 4, scores, sampled)
+
+    mean, pass_2 = rows("mean"), rows("pass@2")
+    assert [r["score"] for r in mean] == [0.25, 0.0] and [r["score"] for r in pass_2] == [0.5, 0.0]
+    assert mean[0]["responses"] == ["1", "2", "3", "4"] and mean[1]["scores"] == [0.0] * 4
+    assert {k: mean[1][k] for k in ("index", "prompt", "response", "ground_truth", "score")} == {
+        "index": 1, "prompt": "b", "response": "5", "ground_truth": "g2", "score": 0.0
+    }  # fmt: skip
+    greedy = example_rows(["a", "b"], ["1", "5"], ["g1", "g2"], [1.0, 0.0], EvalSet("heldout", [], "exact", "f" * 16))
+    assert [r["score"] for r in greedy] == [1.0, 0.0] and "responses" not in greedy[0]
+
+
+def test_every_setting_that_changes_the_draws_changes_the_fingerprint():
+    def digest(*overrides, sets="[{name: heldout, scorer: exact, decoding: sampled, samples: 4}]"):
+        config = load_config("demo", [f"eval.sets={sets}", *overrides])
+        rows = [{"prompt": "1+1=", "answer": "2"}]
+        return resolve_sets(config, rows, lambda files: rows)[0].fingerprint
+
+    sampled = digest()
+    assert sampled == digest()
+    changed = [
+        digest(sets="[{name: heldout, scorer: exact, decoding: sampled, samples: 4, seed: 1}]"),
+        digest(sets="[{name: heldout, scorer: exact, decoding: sampled, samples: 8}]"),
+        digest(sets="[{name: heldout, scorer: exact, decoding: sampled, samples: 4, metric: pass@2}]"),
+        digest("rollout.temperature=0.5"),
+        digest("trainer.n_workers=1"),
+    ]
+    assert sampled not in changed and len(set(changed)) == len(changed)
+    greedy = "[{name: heldout, scorer: exact}]"
+    assert digest(sets=greedy) == digest("trainer.n_workers=1", sets=greedy)  # greedy: one answer however split

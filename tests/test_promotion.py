@@ -10,12 +10,16 @@ servers, a lineage of GRPO runs on the tiny model after an SFT warm-up, evaluate
 - v5 asks a person (trainer.promotion=manual): the run pauses with a form in the Prefect UI (screenshot), is
   resumed through Prefect's API with the form's input as the UI sends it, and the approval moves the champion; a
   run nobody approves within trainer.approval_timeout_s is rejected.
+
+A second lineage: a run killed mid-training resumes after the champion moved, and is compared with the champion of
+then (re-evaluated in the run, as its results were made on other examples), with a sampled pass@k set beside.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,10 +79,10 @@ def lineage_run(job, *overrides: str, background: bool = False):
         f"trainer.lineage={job['lineage']}", "trainer.run_name=null", "trainer.total_steps=6", "trainer.test_freq=0",
         "trainer.save_freq=0", "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]", *overrides,
     ]  # fmt: skip
-    if background:
+    if background:  # in a session of its own, so that killing its group takes its local Ray along
         return subprocess.Popen(
             [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
+            text=True, start_new_session=True,
         )  # fmt: skip
     return rlflow(*args)
 
@@ -192,3 +196,50 @@ def test_manual_promotion_pauses_for_a_person_and_follows_the_answer(gated, serv
     v6 = version(gated, 6)
     assert v6.tags["rejected"].startswith("no approval within trainer.approval_timeout_s=3 s")
     assert champion(gated) == "5"
+
+
+def test_a_resumed_run_is_compared_with_the_champion_of_now_re_evaluated_when_its_results_do_not_pair(job):
+    """v1 is the champion when run R starts; R is killed after its step-2 checkpoint; v2 (evaluated on 60 held-out
+    sums, not R's 100) becomes the champion; R resumes from its checkpoint and is gated against v2, which it
+    evaluates itself on R's examples (v2 has no results R can pair with), never against R's start model (v1)."""
+    moved = {**job, "lineage": f"moved-{uuid.uuid4().hex[:6]}"}
+    sets = (
+        "eval.sets=[{name: heldout, scorer: exact, max_examples: 100}, "
+        "{name: sampled, scorer: exact, max_examples: 40, decoding: sampled, samples: 4, temperature: 1.0, "
+        "metric: pass@2}]"
+    )
+    lineage_run(moved, "actor.optim.lr=1e-9", sets)  # v1, the champion
+    resumed = ("trainer.run_name=resumed", "trainer.total_steps=8", "trainer.save_freq=2", sets)
+    process = lineage_run(moved, *resumed, background=True)
+    try:
+        manifest = moved["runs"] / "resumed" / "checkpoints" / "step_2" / "manifest.json"
+        deadline = time.monotonic() + 300
+        while not manifest.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert manifest.exists(), process.communicate()[0][-3000:] if process.poll() is not None else "no step 2"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the run and its Ray, as the kernel's OOM killer would
+        process.wait()
+    assert not (moved["runs"] / "resumed" / "result.json").exists()
+    lineage_run(moved, "trainer.total_steps=15", "eval.sets=[{name: heldout, scorer: exact, max_examples: 60}]")
+    rlflow("promote", moved["lineage"], "--version", "2", "--reason", "the team trusts v2")
+    done = lineage_run(moved, *resumed)  # resumes from its step-2 checkpoint
+    output = done.stdout + done.stderr
+    assert "steps 3..8" in output and "champion v2 has no heldout results with these settings" in output
+
+    client = MlflowClient()
+    v2, v3 = version(moved, 2), version(moved, 3)
+    decision = v3.tags.get("rlflow.promoted") or v3.tags["rejected"]
+    assert "champion v2 (" in decision and "this run's start model" not in decision, decision
+    assert "| champion v2 | 100 |" in v3.description
+    # v2's results on R's examples, made in R and reused from now on by every run with these settings
+    assert v2.tags["rlflow.eval.heldout.run"] == v3.run_id and v2.tags["rlflow.eval.heldout.n"] == "100"
+    again = version_results(client, v2, "heldout", v3.tags["rlflow.eval.heldout.fingerprint"])
+    assert len(again.rows) == 100 and again.model == "models:/%s/2" % moved["lineage"]
+    # the sampled set: four responses per example, scored by pass@2 (0, 1/2, 5/6 or 1 from 0..4 passing)
+    table = json.loads(Path(client.download_artifacts(v3.run_id, "eval/sampled/final.json")).read_text())
+    rows = [dict(zip(table["columns"], values)) for values in table["data"]]
+    assert len(rows) == 40 and all(len(row["responses"]) == len(row["scores"]) == 4 for row in rows)
+    allowed = {0.0, 0.5, round(5 / 6, 6), 1.0}
+    assert {round(row["score"], 6) for row in rows} <= allowed
+    assert any(0 < row["score"] < 1 for row in rows), "no example with some samples right and some wrong"

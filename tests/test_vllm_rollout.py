@@ -131,6 +131,15 @@ def test_generation_follows_the_hf_contract(vllm_group, eos_model):
     assert (positions >= 0).all()
 
 
+def test_a_seeded_call_draws_the_same_samples_again(vllm_group, eos_model):
+    tokenizer = load_tokenizer(eos_model)
+    seeded = prompts(tokenizer, 8, n=4, do_sample=True, temperature=1.0, seed=3)
+    first, second = vllm_group.generate_sequences(seeded), vllm_group.generate_sequences(seeded)
+    assert torch.equal(first.batch["responses"], second.batch["responses"])
+    seeded.meta_info["seed"] = 4
+    assert not torch.equal(first.batch["responses"], vllm_group.generate_sequences(seeded).batch["responses"])
+
+
 @pytest.fixture(scope="module")
 def hf_rollout(eos_model):
     """The HF backend on the same model, in this process."""

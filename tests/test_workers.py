@@ -85,6 +85,23 @@ def test_greedy_generation_is_deterministic(worker):
     assert torch.equal(first.batch["responses"], second.batch["responses"])
 
 
+def test_seeded_sampling_repeats_its_draws_and_leaves_the_training_random_state_alone(worker):
+    batch = prompt_batch(ROWS["validation"][:8], worker.tokenizer)
+    batch.meta_info.update(do_sample=True, n=4, temperature=1.0, seed=7)
+    state = torch.get_rng_state()
+    first = worker.generate_sequences(batch)
+    assert torch.equal(torch.get_rng_state(), state)  # the training's next draws are the ones it would have made
+    second = worker.generate_sequences(batch)
+    assert torch.equal(first.batch["responses"], second.batch["responses"])
+    assert "seed" not in first.meta_info  # per rank, so not merged across ranks
+    batch.meta_info["seed"] = 8
+    other = worker.generate_sequences(batch)
+    assert not torch.equal(first.batch["responses"], other.batch["responses"])
+    del batch.meta_info["seed"]
+    worker.generate_sequences(batch)  # unseeded: draws from the training's state
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
 def test_recomputed_log_probs_match_rollout(worker):
     out = generated(worker, n_prompts=8, n=2)
     recomputed = worker.compute_log_prob(out)

@@ -13,6 +13,8 @@ differences.
   check in tests/test_comparison.py.
 - ``detectable_difference``: the smallest true difference a set of ``n`` examples detects with the given power, so a
   config can say what its eval set can and cannot tell apart.
+- ``pass_at_k``: one example's score from several sampled responses, the chance that at least one of ``k`` passes
+  (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language Models Trained on Code").
 """
 
 from __future__ import annotations
@@ -92,3 +94,12 @@ def detectable_difference(n: int, discordant: float, *, confidence: float = 0.95
         raise ValueError(f"need n >= 1 and 0 < discordant <= 1, got n={n}, discordant={discordant}")
     z = NormalDist().inv_cdf(confidence) + NormalDist().inv_cdf(power)
     return z * math.sqrt(discordant / n)
+
+
+def pass_at_k(n: int, passed: int, k: int) -> float:
+    """The chance that at least one of ``k`` responses drawn without replacement from ``n`` sampled ones (``passed``
+    of them passing) passes: ``1 - C(n - passed, k) / C(n, k)``, the unbiased pass@k estimate from ``n >= k``
+    samples."""
+    if not 0 <= passed <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= passed <= n and 1 <= k <= n, got n={n}, passed={passed}, k={k}")
+    return 1.0 - math.comb(n - passed, k) / math.comb(n, k)

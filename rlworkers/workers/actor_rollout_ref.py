@@ -115,8 +115,25 @@ class ActorRolloutRefWorker(Worker):
         """``input_ids``/``attention_mask`` of left-padded prompts -> sampled responses (see ``rollout``)."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
         hf = self.config.rollout.name == "hf"  # vLLM runs its own kernels in the model's dtype
-        with self._autocast() if hf else contextlib.nullcontext():
-            return self.rollout.generate_sequences(common.to_device(prompts, self.device)).to("cpu")
+        prompts = common.to_device(prompts, self.device)
+        with self._autocast() if hf else contextlib.nullcontext(), self._own_random_state(prompts) as prompts:
+            return self.rollout.generate_sequences(prompts).to("cpu")
+
+    @contextlib.contextmanager
+    def _own_random_state(self, prompts: DataProto):
+        """A call with ``meta_info["seed"]`` (an eval set's sampled decoding) draws from a random state of its own,
+        seeded per rank, and leaves the training's as it was: a run with a sampled eval set trains exactly as one
+        without, and a resumed run as a straight one. Yields the prompts with this rank's seed."""
+        seed = prompts.meta_info.get("seed")
+        if seed is None:
+            yield prompts
+            return
+        rank_seed = int(seed) + 1_000_003 * self.rank
+        meta = {**prompts.meta_info, "seed": rank_seed}
+        devices = [torch.cuda.current_device()] if str(self.device).startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(rank_seed)
+            yield DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
 
     # ------------------------------------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -54,7 +54,7 @@ def rollout_output(
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
     }
-    meta = {k: v for k, v in prompts.meta_info.items() if k != "metrics"}
+    meta = {k: v for k, v in prompts.meta_info.items() if k not in ("metrics", "seed")}  # a seed is per rank
     return DataProto.from_dict(batch, dict(prompts.non_tensor_batch), meta_info=meta)
 
 

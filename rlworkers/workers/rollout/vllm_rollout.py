@@ -5,7 +5,8 @@ Returns the same DataProto as ``HFRollout`` (see ``rlworkers.workers.rollout``):
 the token that ended the response: EOS, a stop token or the last token of a stop string) and
 ``rollout_log_probs``, with ``n`` samples per prompt interleaved (a a b b) and the non-tensor columns carried.
 ``meta_info`` may override ``do_sample``, ``temperature``, ``n``, ``response_length`` (as for HF) and ``stop``
-(a list of strings; vLLM only). Greedy (``do_sample=False``) is vLLM's temperature 0.
+(a list of strings; vLLM only); with ``seed`` (a seeded evaluation) request i samples with seed ``seed + i``.
+Greedy (``do_sample=False``) is vLLM's temperature 0.
 
 Log-probs. vLLM returns raw-model log-probs by default (``logprobs_mode="raw_logprobs"``: before temperature).
 The engine is created with ``logprobs_mode="processed_logprobs"``, so ``SamplingParams(logprobs=0)`` gives the
@@ -186,7 +187,7 @@ class VLLMRollout:
         temperature = request.temperature if do_sample else 0.0  # vLLM's greedy
         input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         llm = self._engine(input_ids.shape[1], response_length)
-        params = SamplingParams(
+        settings = dict(
             n=1,
             temperature=temperature,
             top_p=self.config.top_p if do_sample else 1.0,
@@ -198,6 +199,12 @@ class VLLMRollout:
             detokenize=bool(stop),
         )
         requests = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
+        seed = prompts.meta_info.get("seed")  # a seeded call (sampled evaluation): each request its own generator
+        params = (
+            SamplingParams(**settings)
+            if seed is None
+            else [SamplingParams(**settings, seed=int(seed) + i) for i in range(len(requests))]
+        )
         outputs = llm.generate(requests, params, use_tqdm=False)
         if self.sleep_enabled:
             llm.sleep(level=SLEEP_LEVEL)
