@@ -5,8 +5,9 @@
 3. runs GRPO from the SFT model (configs/demo.yaml);
 4. prints the validation accuracy before and after each phase, and where to look in the Prefect and MLflow UIs.
 
-`make demo-real` (`rlflow demo --model smollm2-135m-instruct`) runs GRPO on a real pretrained chat model instead
-(configs/real.yaml: SmolLM2-135M-Instruct, the sums asked in its chat template), no SFT phase.
+`make demo-real` (`rlflow demo --model smollm2-135m-instruct`) does the same with a real pretrained chat model,
+SmolLM2-135M-Instruct, the sums asked in its chat template with GSM8K's "#### answer" format: SFT warm-up
+(configs/real-sft.yaml), then GRPO (configs/real-gsm8k.yaml). configs/real.yaml is GRPO alone from the base model.
 """
 
 from __future__ import annotations
@@ -31,63 +32,53 @@ def _val_history(run_id: str) -> list[tuple[int, float]]:
 REAL_MODEL = "smollm2-135m-instruct"
 
 
+PRESETS = {  # model -> (SFT preset, GRPO preset, what the table measures)
+    "tiny": ("demo-sft", "demo", "2-digit addition, 200 held-out sums, greedy exact match"),
+    REAL_MODEL: (
+        "real-sft",
+        "real-gsm8k",
+        'SmolLM2-135M-Instruct: 200 held-out sums in its chat template, greedy, the number after "####"',
+    ),
+}
+
+
 def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str = "tiny") -> None:
+    from flows.config import load_config, runs_root
+    from flows.launch import run_training
     from flows.preflight import apply_service_env
     from flows.services import ServiceConfig, start_services
 
-    if model not in ("tiny", REAL_MODEL):
+    if model not in PRESETS:
         raise ValueError(f"rlflow demo --model {model!r}: use 'tiny' (the default) or {REAL_MODEL!r}")
-    urls = start_services(ServiceConfig())
-    apply_service_env(urls)
+    sft_preset, grpo_preset, title = PRESETS[model]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    if model == REAL_MODEL:
-        _real_model_demo(urls, stamp, grpo_steps)
-    else:
-        _tiny_model_demo(urls, stamp, sft_steps, grpo_steps)
-
-
-def _real_model_demo(urls: dict, stamp: str, grpo_steps: int | None) -> None:
-    from flows.config import load_config
-    from flows.launch import run_training
-
-    overrides = [f"trainer.run_name=demo-real-{stamp}", "trainer.resume=never"]
-    if grpo_steps:
-        overrides += [f"trainer.total_steps={grpo_steps}"]
-    config = load_config("real", overrides)
-    console.rule("GRPO on SmolLM2-135M-Instruct (chat template, 2-digit sums)")
-    started = time.time()
-    run_training("grpo", config)
-    _report(urls, [("grpo", config, time.time() - started)], "2-digit sums in the chat template, greedy, last number")
-
-
-def _tiny_model_demo(urls: dict, stamp: str, sft_steps: int | None, grpo_steps: int | None) -> None:
-    from flows.config import load_config, runs_root
-    from flows.launch import run_training
-
-    sft_overrides = [f"trainer.run_name=demo-sft-{stamp}", "trainer.resume=never"]
+    prefix = "demo" if model == "tiny" else "demo-real"
+    sft_overrides = [f"trainer.run_name={prefix}-sft-{stamp}", "trainer.resume=never"]
     if sft_steps:
         sft_overrides += [
             f"trainer.total_steps={sft_steps}",
             f"trainer.save_freq={sft_steps}",
             f"trainer.test_freq={sft_steps}",
         ]
-    sft_config = load_config("demo-sft", sft_overrides)
-    grpo_overrides = [f"trainer.run_name=demo-grpo-{stamp}", "trainer.resume=never"]
+    sft_config = load_config(sft_preset, sft_overrides)
+    grpo_overrides = [f"trainer.run_name={prefix}-grpo-{stamp}", "trainer.resume=never"]
     if grpo_steps:
         grpo_overrides += [f"trainer.total_steps={grpo_steps}"]
-    load_config("demo", grpo_overrides)  # validate both configs before anything starts
+    load_config(grpo_preset, grpo_overrides)  # validate both configs before anything starts
+    urls = start_services(ServiceConfig())
+    apply_service_env(urls)
 
-    console.rule("1/2  SFT warm-up")
+    console.rule(f"1/2  SFT warm-up ({sft_preset})")
     started = time.time()
     run_training("sft", sft_config)
     seconds = {"sft": time.time() - started}
     sft_model = f"{runs_root(sft_config)}/final_model"
-    console.rule("2/2  GRPO from the SFT model")
-    grpo_config = load_config("demo", grpo_overrides + [f"model.path={sft_model}"])
+    console.rule(f"2/2  GRPO from the SFT model ({grpo_preset})")
+    grpo_config = load_config(grpo_preset, grpo_overrides + [f"model.path={sft_model}"])
     run_training("grpo", grpo_config)
     seconds["grpo"] = time.time() - started - seconds["sft"]
     phases = [("sft", sft_config, seconds["sft"]), ("grpo", grpo_config, seconds["grpo"])]
-    _report(urls, phases, "2-digit addition, 200 held-out sums, greedy exact match")
+    _report(urls, phases, title)
 
 
 def _report(urls: dict, phases: list[tuple], title: str) -> None:

@@ -8,15 +8,14 @@ decided by the real registry logic on known numbers, not by the luck of a few tr
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from rlflow_cli import rlflow
 from safetensors.torch import load_file
 
 from flows.config import load_config
@@ -113,14 +112,7 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
     assert result_two["decision"].startswith("v2 rejected")
 
     # `rlflow runs` shows the lineage, the parent and each version's fate.
-    listed = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "runs", "--lineage", lineage],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "400"},
-    )
-    assert listed.returncode == 0, listed.stderr
+    listed = rlflow("runs", "--lineage", lineage, env={"COLUMNS": "400"}, timeout=120)
     rows = {line.split("│")[1].strip(): line for line in listed.stdout.splitlines() if line.count("│") > 3}
     line_two = rows[two.info.run_name]
     assert lineage in line_two and one.info.run_name in line_two and "v2 rejected" in line_two  # parent: run one
@@ -139,13 +131,7 @@ def test_lineage_runs_continue_model_and_data_and_promote_only_improvements(env,
         "actor.ppo_mini_batch_size=16",
         "actor.ppo_micro_batch_size_per_gpu=8",
     ]
-    cli = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "sft", "--config", "demo-sft", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "400"},
-    )
+    cli = rlflow("train", "sft", "--config", "demo-sft", *overrides, env={"COLUMNS": "400"}, timeout=300, check=False)
     assert cli.returncode == 1 and "already trained its 2 steps" in cli.stdout, cli.stdout[-2000:]
     assert len(client.search_model_versions(f"name = '{lineage}'")) == 2  # nothing was published again
     # ... unless asked to: the same run publishes again as a new version, without training.
@@ -239,13 +225,7 @@ def test_promote_by_hand_and_rollback_move_the_champion_with_their_reasons(env, 
     client = MlflowClient()
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "flows.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "COLUMNS": "300"},
-        )
+        return rlflow(*args, timeout=120, check=False)
 
     def champion() -> str:
         return client.get_model_version_by_alias(lineage, "champion").version

@@ -20,19 +20,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from rlflow_cli import rlflow, rlflow_in_background
 
 from flows.evaluation import EvalResults
 from flows.lineage import champion_history, gate_baselines, version_results
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 HACKABLE_REWARD = '''
@@ -40,19 +38,6 @@ def score(prompts, responses, **columns):
     """Pays for 3-character answers: a format the exact-match evaluation does not count."""
     return [1.0 if len(r.strip()) >= 3 else 0.0 for r in responses]
 '''
-
-
-def rlflow(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +64,7 @@ def lineage_run(job, *overrides: str, background: bool = False):
         f"trainer.lineage={job['lineage']}", "trainer.run_name=null", "trainer.total_steps=6", "trainer.test_freq=0",
         "trainer.save_freq=0", "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]", *overrides,
     ]  # fmt: skip
-    if background:  # in a session of its own, so that killing its group takes its local Ray along
-        return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
-        )  # fmt: skip
-    return rlflow(*args)
+    return rlflow_in_background(*args) if background else rlflow(*args)
 
 
 def version(job, number: int):
@@ -198,11 +178,12 @@ def test_manual_promotion_pauses_for_a_person_and_follows_the_answer(gated, serv
     assert champion(gated) == "5"
 
 
-def test_a_resumed_run_is_compared_with_the_champion_of_now_re_evaluated_when_its_results_do_not_pair(job):
+def test_a_resumed_run_is_compared_with_the_champion_of_now_re_evaluated_when_its_results_do_not_pair(gated):
     """v1 is the champion when run R starts; R is killed after its step-2 checkpoint; v2 (evaluated on 60 held-out
     sums, not R's 100) becomes the champion; R resumes from its checkpoint and is gated against v2, which it
     evaluates itself on R's examples (v2 has no results R can pair with), never against R's start model (v1)."""
-    moved = {**job, "lineage": f"moved-{uuid.uuid4().hex[:6]}"}
+    moved = {**gated, "lineage": f"moved-{uuid.uuid4().hex[:6]}"}
+    other_lineage = champion_history(MlflowClient(), gated["lineage"])
     sets = (
         "eval.sets=[{name: heldout, scorer: exact, max_examples: 100}, "
         "{name: sampled, scorer: exact, max_examples: 40, decoding: sampled, samples: 4, temperature: 1.0, "
@@ -243,3 +224,4 @@ def test_a_resumed_run_is_compared_with_the_champion_of_now_re_evaluated_when_it
     allowed = {0.0, 0.5, round(5 / 6, 6), 1.0}
     assert {round(row["score"], 6) for row in rows} <= allowed
     assert any(0 < row["score"] < 1 for row in rows), "no example with some samples right and some wrong"
+    assert champion_history(client, gated["lineage"]) == other_lineage  # lineages never move each other's alias

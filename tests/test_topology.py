@@ -21,10 +21,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from rlflow_cli import rlflow
 
 from flows.services import ServiceConfig, ServiceError, ensure_postgres_databases, start_services, stop_services
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -128,11 +128,8 @@ def team_services(postgres, bucket, tmp_path_factory):
 
 
 def rlflow_train(urls: dict, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_API_URL": urls["PREFECT_API_URL"], "MLFLOW_TRACKING_URI": urls["MLFLOW_TRACKING_URI"]}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    servers = {key: urls[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    return rlflow("train", *args, env=servers)
 
 
 def test_a_lineage_on_postgresql_with_artifacts_in_object_storage(team_services, postgres, bucket, tmp_path):
