@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,8 +59,9 @@ class RestartBudgetExhausted(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------- naming
 def run_name(config: RLConfig, algorithm: str) -> str:
-    """The run's name: ``trainer.run_name``; for a lineage, ``<lineage>-<UTC scheduled start>`` (kept by every
-    attempt of the flow run); otherwise the algorithm's name."""
+    """The run's name: ``trainer.run_name``; for a lineage, ``<lineage>-<UTC scheduled start>-<flow run id[:6]>``
+    (kept by every attempt of the flow run; the id tells apart runs queued in the same second, e.g. two clicks on
+    Run); otherwise the algorithm's name."""
     if config.trainer.run_name:
         return config.trainer.run_name
     if not config.trainer.lineage:
@@ -68,10 +70,11 @@ def run_name(config: RLConfig, algorithm: str) -> str:
 
     lineage = config.trainer.lineage
     current = flow_run.get_name() or ""
-    if re.fullmatch(rf"{re.escape(lineage)}-\d{{8}}T\d{{6}}Z", current):
+    if re.fullmatch(rf"{re.escape(lineage)}-\d{{8}}T\d{{6}}Z-[0-9a-f]{{6}}", current):
         return current
     start = flow_run.get_scheduled_start_time() or datetime.now(timezone.utc)
-    return f"{lineage}-{start.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}"
+    run_id = (flow_run.get_id() or uuid.uuid4().hex).replace("-", "")[:6]
+    return f"{lineage}-{start.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}-{run_id}"
 
 
 def flow_run_name() -> str:
