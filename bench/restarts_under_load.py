@@ -2,7 +2,8 @@
 
 Queues ``--runs`` short lineage runs (GRPO on the tiny model) on ``--deployments`` deployments of the rlflow pool,
 served by a plain ``prefect worker start --pool rlflow`` (not ``rlflow worker``: no backup restart loop), SIGKILLs
-the flow-run processes of ``--kills`` of them at random moments (as the kernel's OOM killer would), keeps the
+the flow-run processes of ``--kills`` of them at a random moment of their first attempt (as the kernel's OOM
+killer would), keeps the
 server's database busy with API traffic (``--load-threads`` clients reading flow runs and writing artifacts), and
 waits until every run is final. It prints, per run, its final state, its crashes and restarts and the seconds from
 each Crashed to its restart, and what the Prefect server logged about dead letters and its database.
@@ -46,11 +47,11 @@ from flows.lineage import RESTART_STATE_NAME  # noqa: E402
 FINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 
 
-def job(lineage: str) -> dict:
+def job(lineage: str, runs_dir: str) -> dict:
     """A short lineage run: 6 GRPO steps on the tiny model, a checkpoint every 2, one worker."""
     config = {
-        "trainer": {"lineage": lineage, "total_steps": 6, "save_freq": 2, "test_freq": 0, "n_workers": 1,
-                    "ray_num_cpus": 2, "log_samples": 0},
+        "trainer": {"lineage": lineage, "runs_dir": runs_dir, "total_steps": 6, "save_freq": 2, "test_freq": 0,
+                    "n_workers": 1, "ray_num_cpus": 2, "log_samples": 0},
         "data": {"train_batch_size": 8, "val_batch_size": 64},
         "rollout": {"n": 2, "response_length": 4},
         "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 16},
@@ -59,7 +60,7 @@ def job(lineage: str) -> dict:
     return config
 
 
-def write_deployments(folder: Path, names: list[str], tag: str) -> Path:
+def write_deployments(folder: Path, names: list[str], tag: str, runs_dir: str) -> Path:
     """A prefect.yaml like deployments/prefect.yaml: same pool, pull step, tags and no-overlap limit."""
     spec = {
         "name": "rlflow-load",
@@ -80,7 +81,7 @@ def write_deployments(folder: Path, names: list[str], tag: str) -> Path:
                 },
                 "tags": [TAG, "load"],
                 "concurrency_limit": {"limit": 1, "collision_strategy": "ENQUEUE"},
-                "parameters": {"config": job(f"load-{tag}-{i}")},
+                "parameters": {"config": job(f"load-{tag}-{i}", runs_dir)},
             }
             for i, name in enumerate(names)
         ],
@@ -123,7 +124,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--deployments", type=int, default=4)
-    parser.add_argument("--kills", type=int, default=8)
+    parser.add_argument("--kills", type=int, default=8, help="runs whose first attempt is killed")
+    parser.add_argument(
+        "--kill-after-s", type=float, nargs=2, default=(5.0, 40.0), help="a target is killed this long into its run"
+    )
+    parser.add_argument("--runs-dir", default=str(ROOT / "runs"), help="trainer.runs_dir of the runs")
     parser.add_argument("--limit", type=int, default=2, help="flow runs at once (the worker's --limit)")
     parser.add_argument("--load-threads", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=3600)
@@ -142,7 +147,7 @@ def main() -> None:
     log_start = Path(args.server_log).stat().st_size if Path(args.server_log).exists() else 0
     ensure_work_pool()
     with tempfile.TemporaryDirectory() as folder:
-        deploy_all(write_deployments(Path(folder), names, tag))
+        deploy_all(write_deployments(Path(folder), names, tag, args.runs_dir))
     ensure_automations()
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
@@ -164,7 +169,7 @@ def main() -> None:
     for thread in load:
         thread.start()
     killed: dict[str, float] = {}  # run id -> when
-    next_kill = time.monotonic() + rng.uniform(20, 60)
+    targets: dict[str, float] = {}  # run id -> when to kill it: a random moment of its first attempt
     states = {}
     try:
         with get_client(sync_client=True) as client:
@@ -175,20 +180,20 @@ def main() -> None:
                 states = {str(r.id): r for r in runs}
                 if all(r.state_type.value in FINAL for r in runs) and len(runs) == len(run_ids):
                     break
-                if len(killed) < args.kills and time.monotonic() >= next_kill:
-                    candidates = [
-                        (run_id, process)
-                        for run_id, process in flow_run_processes().items()
-                        if run_id in states and run_id not in killed and states[run_id].state_type.value == "RUNNING"
-                    ]
-                    if candidates:
-                        run_id, process = rng.choice(candidates)
+                processes = flow_run_processes()
+                now = time.monotonic()
+                for run_id in list(targets):  # a target that ended before its moment: another run takes its place
+                    if run_id not in killed and states[run_id].state_type.value != "RUNNING":
+                        del targets[run_id]
+                for run_id, process in processes.items():
+                    running = run_id in states and states[run_id].state_type.value == "RUNNING"
+                    if running and run_id not in targets and len(targets) < args.kills:
+                        targets[run_id] = now + rng.uniform(args.kill_after_s[0], args.kill_after_s[1])
+                    if running and run_id not in killed and targets.get(run_id, float("inf")) <= now:
                         process.send_signal(signal.SIGKILL)
                         killed[run_id] = time.time()
-                        print(f"{time.monotonic() - started:6.0f} s  SIGKILL {states[run_id].name} (pid {process.pid})",
-                              flush=True)  # fmt: skip
-                    next_kill = time.monotonic() + rng.uniform(15, 60)
-                time.sleep(2)
+                        print(f"{now - started:6.0f} s  SIGKILL {states[run_id].name} (pid {process.pid})", flush=True)
+                time.sleep(1)
             report = []
             for run_id in run_ids:
                 history = sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)
@@ -215,7 +220,11 @@ def main() -> None:
     finally:
         stop.set()
         os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(60)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:  # Prefect's worker can take minutes to wind down: not measured here
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(30)
     elapsed = time.monotonic() - started
     for row in report:
         print(json.dumps(row))

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flows.config import validate_config
+
+pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())

@@ -34,6 +34,8 @@ from flows.sft import sft
 from rlworkers.checkpoint import list_checkpoints
 from rlworkers.models.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
+
 FLOWS = {"grpo": grpo, "sft": sft, "ppo": ppo, "online_dpo": online_dpo}
 ROOT = Path(__file__).resolve().parents[1]
 

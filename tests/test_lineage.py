@@ -24,6 +24,8 @@ from flows.runtime import ray_task_runner
 from flows.sft import sft
 from rlworkers.models.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
+
 
 @pytest.fixture(scope="module")
 def env(ray_cluster, services, tmp_path_factory):

@@ -28,6 +28,8 @@ from rlworkers.checkpoint import (
 )
 from rlworkers.storage import cached_copy, local_dir, staged_dir
 
+pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
+
 BUCKET = "rlflow-test"
 
 

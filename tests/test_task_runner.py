@@ -20,6 +20,8 @@ from prefect_api import settled_task_runs
 
 from flows.task_runner import WarmRayTaskRunner, serialize_context_once
 
+pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
+
 STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 
 

@@ -17,6 +17,8 @@ from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePoo
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 from rlworkers.workers.reward import RewardWorker
 
+pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
+
 ROWS = addition_rows(num_train=2000, num_val=200, max_digits=2, seed=0)
 SFT_STEPS = 700
 
