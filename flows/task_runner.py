@@ -55,7 +55,10 @@ settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only
 ``init_kwargs`` at its first submit.
 
 The host starts with the flow's Ray, and at once imports the modules the tasks come from (``preload``) and opens
-its client, while the flow builds its worker groups: the first task does not wait for them.
+its client, while the flow builds its worker groups: the first task does not wait for them. The imports run in the
+actor's constructor, which Ray completes before any method call: a task's arguments, unpickled in one of the host's
+threads, never import a module (transformers' lazy modules above all) while another thread is still importing it
+(a resumed run's first tasks once failed so: "cannot import name 'AutoModelForCausalLM' from 'transformers'").
 
 When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed.
 The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
@@ -201,7 +204,11 @@ class _HandOffEngine(SyncTaskRunEngine):
 class TaskHost:
     """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
+        import importlib
+
+        for module in preload:  # here, not in a method: no task thread runs before the constructor has finished
+            importlib.import_module(module)
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
         self._flow_runs: dict[str, dict] = {}  # key of a serialized flow run context -> that dict
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient
@@ -211,15 +218,10 @@ class TaskHost:
         self._lock = threading.Lock()
         _plain_console_logging()
 
-    def warm_up(self, modules: tuple[str, ...]) -> None:
-        """Import ``modules`` (those the tasks will be unpickled from) and open the Prefect client now, while the
-        flow builds its worker groups, instead of in the first task."""
-        import importlib
-
+    def warm_up(self) -> None:
+        """Open the Prefect client now, while the flow builds its worker groups, instead of in the first task."""
         from prefect.settings import get_current_settings
 
-        for module in modules:
-            importlib.import_module(module)
         self._client(get_current_settings().api.url or "")
 
     def drain(self) -> None:
@@ -583,9 +585,9 @@ class WarmRayTaskRunner(RayTaskRunner):
                         scheduling_strategy=here,
                         **({"runtime_env": runtime_env} if runtime_env else {}),
                     )
-                    .remote()
+                    .remote(self.preload)
                 )
-                self._host.warm_up.remote(self.preload)  # not waited for: runs while the flow builds its groups
+                self._host.warm_up.remote()  # not waited for: runs while the flow builds its groups
             return self._host
 
     def submit(
