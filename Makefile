@@ -66,7 +66,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=15
 
-# the fast loop while changing a module: everything not marked slow (no flows, no worker groups, no servers)
+# the fast loop while changing a module (~3 min): the tests not marked slow (no servers, flows, training runs or installs)
 test-quick: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
