@@ -256,8 +256,12 @@ class EvalSetConfig(_Frozen):
 
     @property
     def k(self) -> int:
-        """pass@k's k (1 for the mean)."""
-        return int(self.metric.removeprefix("pass@")) if self.metric.startswith("pass@") else 1
+        return metric_k(self.metric)
+
+
+def metric_k(metric: str) -> int:
+    """pass@k's k (1 for the mean): an eval set's ``metric``."""
+    return int(metric.removeprefix("pass@")) if metric.startswith("pass@") else 1
 
 
 class EvalConfig(_Frozen):

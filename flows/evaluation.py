@@ -32,7 +32,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from flows.config import EvalSetConfig, RLConfig
+from flows.config import EvalSetConfig, RLConfig, metric_k
 from rlworkers.algorithms.comparison import (
     PairedComparison,
     decide,
@@ -154,7 +154,7 @@ def example_rows(
         if eval_set.metric == "mean":
             row["score"] = sum(drawn) / n
         else:
-            row["score"] = pass_at_k(n, sum(x >= 1.0 for x in drawn), int(eval_set.metric.removeprefix("pass@")))
+            row["score"] = pass_at_k(n, sum(x >= 1.0 for x in drawn), metric_k(eval_set.metric))
         if n > 1:
             row |= {"responses": responses[i * n : (i + 1) * n], "scores": drawn}
         rows.append(row)

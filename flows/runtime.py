@@ -97,6 +97,13 @@ def build_group(
     return group
 
 
+def release_group(group: RayWorkerGroup) -> None:
+    """End a group's actors and give its placement back."""
+    group.shutdown()
+    if group.resource_pool is not None:
+        group.resource_pool.remove()
+
+
 def dataset_rows(config: RLConfig, split: str, tokenizer=None) -> list[dict]:
     """Rows of a split: the configured files (validation falls back to the training files, with a warning), or
     the built-in task's split. With ``tokenizer``, every prompt is checked against ``data.max_prompt_length``."""
@@ -421,8 +428,7 @@ class Run:
         try:
             out = self.generate_for_eval(group, eval_set, step)
         finally:
-            group.shutdown()
-            group.resource_pool.remove()
+            release_group(group)
         return self.record_results(eval_set, label, step, out, decode_responses(out, self.tokenizer), model=uri)
 
     def record_results(
@@ -600,9 +606,7 @@ class Run:
     def release_workers(self) -> None:
         """Shut every worker group down and give its placement back (at the end, or before a long pause)."""
         for group in self.distinct_groups().values():
-            group.shutdown()
-            if group.resource_pool is not None:
-                group.resource_pool.remove()
+            release_group(group)
         self.groups = {}
 
 
