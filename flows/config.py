@@ -159,7 +159,9 @@ class TrainerConfig(_Frozen):
         "reference group to start, its log-probs data-parallel; false: a one-worker reference group of its own",
     )
     device: Literal["cpu", "cuda"] = "cpu"
-    ray_address: str | None = Field(None, description="existing Ray cluster; unset = start a local one")
+    ray_address: str | None = Field(
+        None, description="existing Ray cluster: <head>:6379, or ray://<head>:10001 (Ray Client); unset = a local Ray"
+    )
     ray_num_cpus: int | None = Field(
         None, gt=0, description="logical CPUs of a local Ray (placement slots); ignored with ray_address"
     )
@@ -194,13 +196,6 @@ class TrainerConfig(_Frozen):
             value = getattr(self, name)
             if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
                 raise ValueError(f"trainer.{name} may only hold letters, digits, '_', '-' and '.'")
-        if self.ray_address and self.ray_address.startswith("ray://"):
-            raise ValueError(
-                f"trainer.ray_address={self.ray_address}: Ray Client (ray://) is not supported yet (the flow hands "
-                "its worker groups' actor handles to its task host, which Ray Client cannot pass through). Run the "
-                "flow on a node of the cluster (a Prefect worker there: rlflow worker) with trainer.ray_address set "
-                "to the head's GCS address (host:6379)"
-            )
         if self.lineage and not self.log_model:
             raise ValueError("trainer.lineage publishes each run's model: set trainer.log_model=true")
         return self

@@ -2,7 +2,8 @@
 dir), started by `rlflow train` with trainer.ray_address as a user would. The second node is stopped mid-run (SIGTERM
 to its raylet and everything under it, what `ray stop` does on that machine); the run replaces the workers it lost,
 waits for room while there is none, and finishes once the node is back, with the weights of the same job run
-uninterrupted on the same cluster.
+uninterrupted on the same cluster. And a one-node cluster reached as KubeRay hands one out (Ray Client, ray://),
+shared by two lineages at once, with Ray's state API checking that runs leave nothing behind.
 
 Both nodes run with RAY_enable_metrics_collection=0. With metrics on and the node SIGKILLed, on this 2-core machine
 the head's GCS and dashboard agent kept both cores busy afterwards and starved the restarted workers; which of the
@@ -10,6 +11,7 @@ two changes cured it was not isolated."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -27,6 +29,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from rlworkers.models.tiny import ensure_tiny_model
+from rlflow_cli import rlflow_in_background
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -43,8 +46,11 @@ class Node:
     """One `ray start` (head or worker) with its own temp dir; stopped by killing its processes, not `ray stop`
     (which would end every Ray on the machine, the test session's own included)."""
 
-    def __init__(self, env: dict, num_cpus: int, head_port: int | None = None, resources: str = "{}"):
+    def __init__(
+        self, env: dict, num_cpus: int, head_port: int | None = None, resources: str = "{}", head_options=()
+    ):
         self.env, self.num_cpus, self.head_port, self.resources = env, num_cpus, head_port, resources
+        self.head_options = list(head_options) or ["--include-dashboard=false"]
         self.temp_dir = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")  # short: Ray's socket paths have a length limit
 
     def start(self, address: str | None = None) -> None:
@@ -58,7 +64,7 @@ class Node:
             f"--dashboard-agent-listen-port={free_port()}",
         ]
         args += (
-            [f"--address={address}"] if address else ["--head", f"--port={self.head_port}", "--include-dashboard=false"]
+            [f"--address={address}"] if address else ["--head", f"--port={self.head_port}", *self.head_options]
         )
         subprocess.run(args, env=self.env, check=True, capture_output=True, timeout=120)
 
@@ -216,3 +222,120 @@ def test_a_local_run_does_not_join_a_cluster_it_was_not_given(cluster, tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "Starting a local Ray" in output and "must not be provided" not in output
+
+
+@pytest.fixture
+def client_cluster(services):
+    """A one-node cluster as KubeRay hands one out: a head with Ray Client's server (ray://) and the dashboard
+    (Ray's state API), token authentication on."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT), "RAY_enable_metrics_collection": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port, client_port, dashboard_port = free_port(), free_port(), free_port()
+    head = Node(
+        env,
+        num_cpus=8,
+        head_port=port,
+        head_options=[
+            f"--ray-client-server-port={client_port}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+        ],
+    )
+    head.start()
+    yield {
+        "address": f"127.0.0.1:{port}",
+        "client": f"ray://127.0.0.1:{client_port}",
+        "dashboard": f"http://127.0.0.1:{dashboard_port}",
+        "env": env,
+    }
+    head.kill()
+    assert not head.processes()
+
+
+def cluster_state(cluster) -> dict:
+    """Live actors and placement groups of the cluster, from Ray's state API, as {"actors": [...], "groups": [...]}
+    of (job id, name, state)."""
+    script = f"""
+import json
+from ray.util.state import list_actors, list_placement_groups
+address = {cluster['dashboard']!r}
+actors = [(a.job_id, a.class_name, a.state) for a in list_actors(address=address, limit=1000) if a.state != "DEAD"]
+groups = [
+    (g.creator_job_id, g.name, g.state)
+    for g in list_placement_groups(address=address, limit=1000, detail=True) if g.state != "REMOVED"
+]
+print(json.dumps({{"actors": actors, "groups": groups}}))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=cluster["env"], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def wait_until_empty(cluster, seconds: float) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        state = cluster_state(cluster)
+        if not state["actors"] and not state["groups"] or time.monotonic() > deadline:
+            return state
+        time.sleep(3)
+
+
+def test_two_lineages_share_a_cluster_through_ray_client_and_leave_nothing_behind(client_cluster, tmp_path):
+    """Two lineages at once on one cluster, one through Ray Client (ray://) and one through the head's GCS address:
+    both finish and publish their own model; then a Ray Client run killed mid-run (SIGKILL of its process group)
+    and a run whose reward function fails: Ray's state API shows no actor or placement group left after each."""
+    cluster, tag = client_cluster, uuid.uuid4().hex[:6]
+    runs = tmp_path / "runs"
+    env = {"RAY_AUTH_MODE": "token"}
+
+    def train(lineage: str, address: str, *overrides: str):
+        return rlflow_in_background(
+            "train", "grpo", "--config", "demo", "model.path=tiny", f"trainer.runs_dir={runs}",
+            f"trainer.lineage={lineage}", "trainer.run_name=null", f"trainer.ray_address={address}",
+            "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.log_samples=0",
+            *overrides, env=env,
+        )  # fmt: skip
+
+    def finish(process, timeout: float = 600) -> str:
+        output, _ = process.communicate(timeout=timeout)
+        return output
+
+    first = {"a": train(f"rc-a-{tag}", cluster["client"]), "b": train(f"rc-b-{tag}", cluster["address"])}
+    jobs_at_once, deadline = set(), time.monotonic() + 300
+    while len(jobs_at_once) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in first.values()):
+        groups = cluster_state(cluster)["groups"]
+        jobs_at_once = {job for job, _, state in groups if state == "CREATED"}
+        time.sleep(2)
+    outputs = {name: finish(process) for name, process in first.items()}
+    for name, process in first.items():
+        assert process.returncode == 0, outputs[name][-4000:]
+    assert len(jobs_at_once) == 2, "the two runs never held placement groups at the same time"
+    client = MlflowClient()
+    for name in first:
+        version = client.get_model_version(f"rc-{name}-{tag}", "1")  # each lineage published its own run's model
+        assert client.get_run(version.run_id).data.tags["rlflow.lineage"] == f"rc-{name}-{tag}"
+    assert "Connecting to the Ray cluster at ray://" in outputs["a"]
+    left = wait_until_empty(cluster, 60)
+    assert left == {"actors": [], "groups": []}, left
+
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('a bug in the reward function')\n"
+    )
+    killed = train(f"rc-c-{tag}", cluster["client"])
+    failing = train(f"rc-d-{tag}", cluster["address"], f"custom_reward_function.path={broken}")
+    deadline = time.monotonic() + 300
+    while not list(runs.glob(f"rc-c-{tag}-*/checkpoints/step_1/manifest.json")):  # <lineage>-<time>-<run id>
+        assert killed.poll() is None, killed.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no step-1 checkpoint within 300 s"
+        time.sleep(0.5)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=60)
+    output = finish(failing)
+    assert failing.returncode != 0 and "a bug in the reward function" in output, output[-4000:]
+    # a dead Ray Client's job is cleaned up once its reconnect grace period (30 s) has passed
+    left = wait_until_empty(cluster, 180)
+    assert left == {"actors": [], "groups": []}, left

@@ -479,6 +479,12 @@ def _unpickle_group(cls: type, digest: bytes, payload: bytes) -> "RayWorkerGroup
     return group
 
 
+def _rebuild_group(cls: type, state: dict) -> "RayWorkerGroup":
+    group = cls.__new__(cls)
+    group.__setstate__(state)
+    return group
+
+
 class RayWorkerGroup(WorkerGroup):
     """Ray actors of one worker class placed on a RayResourcePool, with the class's registered methods bound.
 
@@ -720,6 +726,10 @@ class RayWorkerGroup(WorkerGroup):
         # in a long-lived task host) reuses the group it unpickled then instead of deserializing each actor handle
         # again (~0.6 ms for an actor group). A group is a handle to remote workers, so sharing one is like sharing
         # Ray actor handles; a changed group (``restart``, ``set_call_timeout``) has other bytes, so a new entry.
+        # Under Ray Client (a ray:// controller) the handles must go through Ray Client's own pickler, which turns
+        # them into the cluster's handles: the state travels as is, and there is no cache.
+        if ray.util.client.ray.is_connected():
+            return _rebuild_group, (type(self), self.__getstate__())
         payload = cloudpickle.dumps(self.__getstate__())
         return _unpickle_group, (type(self), hashlib.blake2b(payload, digest_size=16).digest(), payload)
 
