@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import pydantic
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from flows.launch import ALGORITHMS, get_flow, run_training
-from flows.preflight import require_prefect_api, use_running_services
+from flows.preflight import require_mlflow_tracking, require_prefect_api, use_running_services
 from flows.services import (
     LOCAL_HOSTS,
     MLFLOW_TRACKING_URI,
@@ -41,6 +42,20 @@ server_app = typer.Typer(
 )
 app.add_typer(server_app, name="server")
 console = Console()
+
+
+def use_services(prefect: bool = False, mlflow: bool = False) -> None:
+    """Point this process at the running servers (unless the environment names others) and check the ones it needs,
+    credentials included; a problem ends the command with its fix, before anything starts."""
+    use_running_services()
+    try:
+        if prefect:
+            require_prefect_api()
+        if mlflow:
+            require_mlflow_tracking()
+    except ServiceError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
 
 
 @app.callback()
@@ -66,7 +81,7 @@ def train(
     except (ConfigError, FileNotFoundError, ValueError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2)
-    use_running_services()
+    use_services(prefect=True, mlflow=True)
     state = run_training(algorithm, cfg, return_state=True)
     if not state.is_completed():
         console.print(f"[red]{state.name}: {state.message}[/red]")
@@ -84,7 +99,7 @@ def runs(
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    use_running_services()
+    use_services(mlflow=True)
     client = MlflowClient()
     table = Table()
     for column in ("run", "algorithm", "lineage", "parent", "model", "status", "steps"):
@@ -152,7 +167,7 @@ def promote(
 
     from flows.lineage import ModelReferenceError, promote_by_hand
 
-    use_running_services()
+    use_services(mlflow=True)
     try:
         move = promote_by_hand(MlflowClient(), lineage, alias=alias, version=version, reason=reason)
     except ModelReferenceError as error:
@@ -173,7 +188,7 @@ def rollback(
     from flows.lineage import ModelReferenceError
     from flows.lineage import rollback as roll_back
 
-    use_running_services()
+    use_services(mlflow=True)
     try:
         move = roll_back(MlflowClient(), lineage, alias, reason)
     except ModelReferenceError as error:
@@ -187,8 +202,7 @@ def deploy() -> None:
     """Create (or update) the work pool, the deployments of deployments/prefect.yaml and the crash automations."""
     from flows.deploy import POOL, deploy_all, ensure_automations, ensure_work_pool
 
-    use_running_services()
-    require_prefect_api()
+    use_services(prefect=True)
     ensure_work_pool()
     console.print(deploy_all())
     for name in ensure_automations():
@@ -205,8 +219,7 @@ def worker(limit: int = typer.Option(1, help="flow runs at once on this machine"
 
     from flows.deploy import CRASH_CHECK_EVERY_S, POOL
 
-    use_running_services()
-    require_prefect_api()
+    use_services(prefect=True)
     command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
     prefect_worker = subprocess.Popen([*command, "--limit", str(limit)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # then stop the Prefect worker too
@@ -258,7 +271,12 @@ def _cli_config(state_dir: Path | None, **overrides: Any) -> ServiceConfig:
     values = {k: v for k, v in overrides.items() if v is not None}
     if state_dir is not None:
         values["state_dir"] = state_dir
-    return ServiceConfig(**values)
+    try:
+        return ServiceConfig(**values)
+    except pydantic.ValidationError as error:
+        for problem in error.errors():
+            console.print(f"[red]{'.'.join(map(str, problem['loc']))}: {problem['msg']}[/red]")
+        raise typer.Exit(2) from None
 
 
 @server_app.command()
@@ -277,6 +295,13 @@ def up(
     artifacts: str | None = typer.Option(
         None, envvar="RLFLOW_ARTIFACTS", help="where MLflow stores artifacts and models, e.g. s3://bucket/mlflow"
     ),
+    auth: str | None = typer.Option(
+        None,
+        envvar="RLFLOW_SERVER_AUTH",
+        show_default=False,
+        help="user:password both servers ask every client for (better from $RLFLOW_SERVER_AUTH than the command "
+        "line); clients export the same RLFLOW_SERVER_AUTH and source env.sh",
+    ),
 ) -> None:
     """Start both servers in the background (or reuse running ones) and print their URLs."""
     config = _cli_config(
@@ -287,6 +312,7 @@ def up(
         startup_timeout_s=timeout,
         postgres=postgres,
         artifacts=artifacts,
+        auth=auth,
     )
     try:
         with console.status("Starting the Prefect and MLflow servers..."):
@@ -303,11 +329,17 @@ def up(
     )
     console.print(table)
     console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
+    if config.auth:
+        console.print(
+            "Both servers ask for the user and password of RLFLOW_SERVER_AUTH: export it (same value) in every shell "
+            "that runs rlflow, a worker or a flow, before sourcing env.sh. The UIs ask for them in the browser."
+        )
     if config.host not in LOCAL_HOSTS:
         console.print(
-            f"[yellow]Bound to {config.host}: both servers accept connections from the network, "
-            "without authentication. MLflow accepts only localhost and private-IP Host headers "
-            "(see `mlflow server --allowed-hosts`).[/yellow]"
+            f"[yellow]Bound to {config.host}: both servers accept connections from the network"
+            + ("" if config.auth else ", without authentication (set RLFLOW_SERVER_AUTH=user:password and restart)")
+            + ". MLflow accepts only localhost and private-IP Host headers (see `mlflow server --allowed-hosts`)."
+            "[/yellow]"
         )
 
 

@@ -16,7 +16,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flows.services import MLFLOW_TRACKING_URI, PREFECT_API_URL, ServiceConfig, ServiceError, http_ok, service_status
+from flows.services import (
+    MLFLOW_TRACKING_URI,
+    PREFECT_API_URL,
+    ServiceConfig,
+    ServiceError,
+    basic_auth_header,
+    http_ok,
+    http_status,
+    service_status,
+)
+
+SERVER_AUTH = "RLFLOW_SERVER_AUTH"  # user:password of servers started with `rlflow server up --auth`
 
 
 def apply_service_env(urls: Mapping[str, Any]) -> None:
@@ -26,6 +37,11 @@ def apply_service_env(urls: Mapping[str, Any]) -> None:
     refreshed; an already-imported mlflow gets ``set_tracking_uri`` (which wins over the environment)."""
     os.environ[PREFECT_API_URL] = str(urls[PREFECT_API_URL])
     os.environ[MLFLOW_TRACKING_URI] = str(urls[MLFLOW_TRACKING_URI])
+    if urls.get("auth") and os.environ.get(SERVER_AUTH):  # what env.sh derives from it, unless set otherwise
+        user, _, password = os.environ[SERVER_AUTH].partition(":")
+        os.environ.setdefault("PREFECT_API_AUTH_STRING", os.environ[SERVER_AUTH])
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", user)
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", password)
     if "prefect.context" in sys.modules:
         sys.modules["prefect.context"].refresh_global_settings_context()
     if "mlflow" in sys.modules:
@@ -39,7 +55,11 @@ def use_running_services() -> None:
     status = service_status(ServiceConfig())
     if all(s.get("healthy") for s in status.values()) and status:
         apply_service_env(
-            {PREFECT_API_URL: status["prefect"]["url"] + "/api", MLFLOW_TRACKING_URI: status["mlflow"]["url"]}
+            {
+                PREFECT_API_URL: status["prefect"]["url"] + "/api",
+                MLFLOW_TRACKING_URI: status["mlflow"]["url"],
+                "auth": status["prefect"]["auth"] or status["mlflow"]["auth"],
+            }
         )
 
 
@@ -77,6 +97,15 @@ def require_prefect_api() -> str:
             f"PREFECT_API_URL={url} does not answer at {url.rstrip('/')}/health. Start the server: "
             f"{_fix_hint()}; `rlflow server status` shows what runs."
         )
+    auth = get_current_settings().api.auth_string
+    headers = basic_auth_header(auth.get_secret_value()) if auth else {}
+    if http_status(url.rstrip("/") + "/admin/version", headers=headers) == 401:
+        raise ServiceError(
+            f"The Prefect API at {url} asks for a user and password, and "
+            + ("refused PREFECT_API_AUTH_STRING" if auth else "PREFECT_API_AUTH_STRING is not set")
+            + f". Set PREFECT_API_AUTH_STRING=user:password (for `rlflow server up --auth`: export {SERVER_AUTH}="
+            f"user:password, then {_fix_hint()})."
+        )
     return url
 
 
@@ -104,6 +133,7 @@ def require_mlflow_tracking() -> str:
                 f"MLFLOW_TRACKING_URI={uri} does not answer at {uri.rstrip('/')}/health. Start "
                 f"the server: {_fix_hint()}; `rlflow server status` shows what runs."
             )
+        _require_mlflow_credentials(uri)
     elif scheme == "sqlite" and not uri.startswith("sqlite:////"):
         raise ServiceError(
             f"MLFLOW_TRACKING_URI={uri} is a relative SQLite path (it depends on each process's "
@@ -115,3 +145,19 @@ def require_mlflow_tracking() -> str:
             "(or use sqlite:////absolute/path/mlflow.db)."
         )
     return uri
+
+
+def _require_mlflow_credentials(uri: str) -> None:
+    """An MLflow server with authentication on must accept this process's MLFLOW_TRACKING_USERNAME / _PASSWORD
+    (or MLFLOW_TRACKING_TOKEN)."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else basic_auth_header(f"{user}:{password}") if user else {}
+    search = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    if http_status(search, headers=headers) == 401:
+        raise ServiceError(
+            f"The MLflow server at {uri} asks for a user and password, and "
+            + ("refused MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD" if headers else "none is set")
+            + ". Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (for `rlflow server up --auth`: export "
+            f"{SERVER_AUTH}=user:password, then {_fix_hint()})."
+        )

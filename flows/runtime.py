@@ -1019,7 +1019,18 @@ def _service_env() -> dict[str, str]:
     return {
         **{
             k: os.environ[k]
-            for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_TINY_MODEL_DIR", "RLFLOW_SMOLLM2_MODEL_DIR")
+            for k in (
+                "PREFECT_API_URL",
+                "MLFLOW_TRACKING_URI",
+                "RLFLOW_TINY_MODEL_DIR",
+                "RLFLOW_SMOLLM2_MODEL_DIR",
+                # credentials of servers with authentication (in the workers' environment, never in a param)
+                "PREFECT_API_AUTH_STRING",
+                "PREFECT_API_KEY",
+                "MLFLOW_TRACKING_USERNAME",
+                "MLFLOW_TRACKING_PASSWORD",
+                "MLFLOW_TRACKING_TOKEN",
+            )
             if k in os.environ
         },
         **storage_env(),

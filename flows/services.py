@@ -17,21 +17,31 @@ Layout of the state folder::
 
     services.json  env.sh  logs/{prefect,mlflow}.log
     prefect/       PREFECT_HOME of the server: prefect.db (SQLite)
-    mlflow/        mlflow.db (SQLite backend store), artifacts/ (served over HTTP by the tracking server)
+    mlflow/        mlflow.db (SQLite backend store), artifacts/ (served over HTTP by the tracking server),
+                   basic_auth.ini + basic_auth.db (MLflow's users, with --auth)
+
+With ``--auth`` (``$RLFLOW_SERVER_AUTH``, ``user:password``) both servers ask every client for that user and
+password: Prefect's server through ``PREFECT_SERVER_API_AUTH_STRING`` (clients send ``PREFECT_API_AUTH_STRING``),
+MLflow's through its ``basic-auth`` app with that user as admin (clients send ``MLFLOW_TRACKING_USERNAME`` /
+``MLFLOW_TRACKING_PASSWORD``). Health endpoints stay open. ``env.sh`` then derives the client variables from
+``$RLFLOW_SERVER_AUTH`` and holds no secret itself.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -39,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +94,11 @@ class ServiceConfig(BaseModel):
         description="where MLflow's server stores artifacts and models (e.g. s3://bucket/mlflow; credentials and "
         "MLFLOW_S3_ENDPOINT_URL from the environment); unset = state_dir/mlflow/artifacts",
     )
+    auth: SecretStr | None = Field(
+        None,
+        description="user:password that both servers ask every client for (Prefect's API auth string, MLflow's "
+        "basic-auth admin); unset = no authentication (fine on 127.0.0.1, not on a shared interface)",
+    )
     # One uvicorn worker: the handlers are thread-pooled, so one worker serves several logging processes, and
     # MLflow's default of 4 costs ~4 python processes (and their start-up) on a 2-core machine.
     mlflow_workers: int = Field(1, ge=1)
@@ -93,6 +108,22 @@ class ServiceConfig(BaseModel):
     def _absolute(cls, value: Path) -> Path:
         # Absolute once, here: the SQLite URIs and env.sh must not depend on a later working directory.
         return value.expanduser().resolve()
+
+    @field_validator("auth")
+    @classmethod
+    def _user_and_password(cls, value: SecretStr | None) -> SecretStr | None:
+        user, _, password = (value.get_secret_value() if value else ":").partition(":")
+        if value is not None and not (user and password):
+            raise ValueError("auth (RLFLOW_SERVER_AUTH / --auth) must be user:password, both non-empty")
+        return value
+
+    @property
+    def credentials(self) -> tuple[str, str] | None:
+        """(user, password) of ``auth``, or None."""
+        if self.auth is None:
+            return None
+        user, _, password = self.auth.get_secret_value().partition(":")
+        return user, password
 
     @property
     def env_file(self) -> Path:
@@ -134,6 +165,8 @@ def _prefect_spec(config: ServiceConfig) -> _Spec:
         "PREFECT_UI_API_URL": f"{url}/api",  # else the UI would follow a PREFECT_API_URL inherited from the shell
         "DO_NOT_TRACK": "true",  # SDK telemetry of the `prefect` CLI process
     }
+    if config.auth:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = config.auth.get_secret_value()
     # Background services (scheduler, late runs, cancellation clean-up, concurrency lease reaping) stay on: the
     # deployments' schedules and concurrency limits need them. With one worker they run inside the server process.
     # The task run recorder writes task runs from their state events; by default it commits one event at a time, a
@@ -189,6 +222,7 @@ def _mlflow_spec(config: ServiceConfig) -> _Spec:
         str(config.mlflow_port),
         "--workers",
         str(config.mlflow_workers),
+        *(["--app-name", "basic-auth"] if config.auth else []),
     ]
     env = {
         # the store in the environment, not on the command line: a PostgreSQL URL holds a password
@@ -200,6 +234,13 @@ def _mlflow_spec(config: ServiceConfig) -> _Spec:
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "true",
     }
+    if config.credentials:
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(root / "basic_auth.ini")  # written by _write_mlflow_auth_config
+        env["MLFLOW_AUTH_ADMIN_USERNAME"], env["MLFLOW_AUTH_ADMIN_PASSWORD"] = config.credentials
+        # signs the UI's forms (CSRF); a new one at each start only logs browsers out
+        env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = os.environ.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or secrets.token_hex(
+            32
+        )
     return _Spec(
         "mlflow",
         config.mlflow_port,
@@ -244,6 +285,28 @@ def ensure_postgres_databases(server: str, databases: tuple[str, ...] = ("prefec
     return created
 
 
+def _write_mlflow_auth_config(config: ServiceConfig) -> None:
+    """MLflow's basic-auth settings: its users in ``basic_auth.db`` beside the tracking store (database
+    'mlflow_auth' on PostgreSQL), the admin (``auth``'s user, created on the first start) given in the environment.
+    Signed-in users may read every experiment, and change only what they are granted (MLflow's default)."""
+    root = config.state_dir / "mlflow"
+    root.mkdir(parents=True, exist_ok=True)
+    database = (
+        postgres_url(config.postgres, "mlflow_auth", "psycopg")
+        if config.postgres
+        else f"sqlite:///{root / 'basic_auth.db'}"
+    )
+    path = root / "basic_auth.ini"
+    path.touch(mode=0o600)  # a PostgreSQL URL holds a password
+    path.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = {database}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        "grant_default_workspace_access = false\n"
+    )
+
+
 def _specs(config: ServiceConfig) -> dict[str, _Spec]:
     return {"prefect": _prefect_spec(config), "mlflow": _mlflow_spec(config)}
 
@@ -251,15 +314,31 @@ def _specs(config: ServiceConfig) -> dict[str, _Spec]:
 # ---------------------------------------------------------------------------------------------- processes
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when GET ``url`` answers 2xx. Loopback requests bypass any http_proxy of the environment."""
+def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> int | None:
+    """The HTTP status of GET ``url`` (None when nothing answers). Loopback requests bypass any http_proxy of the
+    environment."""
     host = urllib.parse.urlsplit(url).hostname or ""
     handlers = [urllib.request.ProxyHandler({})] if host in LOCAL_HOSTS else []
     try:
-        with urllib.request.build_opener(*handlers).open(url, timeout=timeout) as response:
-            return 200 <= response.status < 300
-    except (OSError, ValueError):  # URLError, HTTPError, timeouts and refused connections are OSErrors
-        return False
+        with urllib.request.build_opener(*handlers).open(
+            urllib.request.Request(url, headers=dict(headers or {})), timeout=timeout
+        ) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except (OSError, ValueError):  # URLError, timeouts and refused connections are OSErrors
+        return None
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when GET ``url`` answers 2xx."""
+    status = http_status(url, timeout)
+    return status is not None and 200 <= status < 300
+
+
+def basic_auth_header(user_and_password: str) -> dict[str, str]:
+    """The ``Authorization`` header of HTTP basic authentication for ``user:password``."""
+    return {"Authorization": "Basic " + base64.b64encode(user_and_password.encode()).decode()}
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -435,6 +514,7 @@ def _service_urls(config: ServiceConfig, record: Mapping[str, Any]) -> dict[str,
         "prefect_pid": prefect["pid"],
         "mlflow_pid": mlflow["pid"],
         "env_file": str(config.env_file),
+        "auth": bool(prefect.get("auth") or mlflow.get("auth")),
     }
 
 
@@ -444,6 +524,13 @@ def _write_env_file(urls: Mapping[str, Any]) -> None:
         f"export {PREFECT_API_URL}={urls[PREFECT_API_URL]}",
         f"export {MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}",
     ]
+    if urls["auth"]:  # the credentials come from the shell, never from this file
+        lines += [
+            "# The servers ask for a user and password: export RLFLOW_SERVER_AUTH=user:password before sourcing",
+            'export PREFECT_API_AUTH_STRING="${RLFLOW_SERVER_AUTH:?export RLFLOW_SERVER_AUTH=user:password first}"',
+            'export MLFLOW_TRACKING_USERNAME="${RLFLOW_SERVER_AUTH%%:*}"',
+            'export MLFLOW_TRACKING_PASSWORD="${RLFLOW_SERVER_AUTH#*:}"',
+        ]
     Path(urls["env_file"]).write_text("\n".join(lines) + "\n")
 
 
@@ -469,10 +556,11 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
         for name, spec in specs.items():
             old = record.get(name)
             if old and _is_ours(old["pid"], name):
-                if old["url"] != spec.url:
+                if old["url"] != spec.url or old.get("auth", False) != bool(config.auth):
                     raise ServiceError(
-                        f"A {name} server from {config.state_dir} already runs at {old['url']}, "
-                        f"not {spec.url}. Run `rlflow server down` first to change its address."
+                        f"A {name} server from {config.state_dir} already runs at {old['url']} "
+                        f"({'with' if old.get('auth') else 'without'} authentication), not {spec.url} "
+                        f"({'with' if config.auth else 'without'}). Run `rlflow server down` first to change it."
                     )
                 if http_ok(old["health_url"]):
                     logger.info("Reusing the %s server at %s (pid %s)", name, old["url"], old["pid"])
@@ -485,8 +573,11 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
         for spec in to_start:  # check every port before starting anything
             _check_port_free(config.host, spec)
         if config.postgres and to_start:
-            for name in ensure_postgres_databases(config.postgres):
+            databases = ("prefect", "mlflow", *(["mlflow_auth"] if config.auth else []))
+            for name in ensure_postgres_databases(config.postgres, databases):
                 logger.info("Created the PostgreSQL database %r", name)
+        if config.auth and specs["mlflow"] in to_start:
+            _write_mlflow_auth_config(config)
         procs = _start_and_wait(config, to_start, record)
         record["host"] = config.host
         _write_record(config, record)
@@ -510,6 +601,7 @@ def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str,
                 "port": spec.port,
                 "log": str(spec.log),
                 "command": spec.command,
+                "auth": bool(config.auth),
             }
         _write_record(config, record)  # before waiting, so that `down` can clean up a start that hangs
         _wait_healthy(specs, procs, config.startup_timeout_s)
@@ -554,5 +646,6 @@ def service_status(config: ServiceConfig | None = None) -> dict[str, dict[str, A
             "alive": bool(entry) and _is_ours(entry["pid"], name),
             "healthy": http_ok(entry.get("health_url", spec.health_url)),
             "log": entry.get("log", str(spec.log)),
+            "auth": entry.get("auth", False),
         }
     return status

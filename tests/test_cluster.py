@@ -26,10 +26,10 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from rlflow_cli import rlflow_in_background
 from safetensors.torch import load_file
 
 from rlworkers.models.tiny import ensure_tiny_model
-from rlflow_cli import rlflow_in_background
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -46,9 +46,7 @@ class Node:
     """One `ray start` (head or worker) with its own temp dir; stopped by killing its processes, not `ray stop`
     (which would end every Ray on the machine, the test session's own included)."""
 
-    def __init__(
-        self, env: dict, num_cpus: int, head_port: int | None = None, resources: str = "{}", head_options=()
-    ):
+    def __init__(self, env: dict, num_cpus: int, head_port: int | None = None, resources: str = "{}", head_options=()):
         self.env, self.num_cpus, self.head_port, self.resources = env, num_cpus, head_port, resources
         self.head_options = list(head_options) or ["--include-dashboard=false"]
         self.temp_dir = tempfile.mkdtemp(prefix="rlr-", dir="/tmp")  # short: Ray's socket paths have a length limit
@@ -63,9 +61,7 @@ class Node:
             "--disable-usage-stats",
             f"--dashboard-agent-listen-port={free_port()}",
         ]
-        args += (
-            [f"--address={address}"] if address else ["--head", f"--port={self.head_port}", *self.head_options]
-        )
+        args += [f"--address={address}"] if address else ["--head", f"--port={self.head_port}", *self.head_options]
         subprocess.run(args, env=self.env, check=True, capture_output=True, timeout=120)
 
     def processes(self) -> list[psutil.Process]:
@@ -259,7 +255,7 @@ def cluster_state(cluster) -> dict:
     script = f"""
 import json
 from ray.util.state import list_actors, list_placement_groups
-address = {cluster['dashboard']!r}
+address = {cluster["dashboard"]!r}
 actors = [(a.job_id, a.class_name, a.state) for a in list_actors(address=address, limit=1000) if a.state != "DEAD"]
 groups = [
     (g.creator_job_id, g.name, g.state)
