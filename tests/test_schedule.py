@@ -1,5 +1,6 @@
 """Scheduling as a user runs it: `rlflow deploy` on a real Prefect server, a real process worker (`rlflow worker`),
-deployment runs triggered through the Prefect API.
+deployment runs triggered through the Prefect API; every test runs against the session's servers (SQLite) and
+again against servers on a private PostgreSQL cluster.
 
 - two triggers of a lineage deployment: the second waits for the first (concurrency limit), then starts from the
   first run's promoted model and continues its data;
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,13 +28,22 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from pg_cluster import private_postgres
 from safetensors.torch import load_file
 
 from flows.lineage import RunRecord, read_result
+from flows.preflight import apply_service_env
+from flows.services import ServiceConfig, start_services, stop_services
 from rlworkers.models.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class Worker:
@@ -62,13 +73,37 @@ class Worker:
             self.process.wait(10)
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def servers(request, services, tmp_path_factory):
+    """The servers the module runs against, this process pointed at them: the session's (SQLite), then a pair on a
+    private PostgreSQL cluster (what a team runs)."""
+    if request.param == "sqlite":
+        yield services
+        return
+    with private_postgres() as cluster:
+        config = ServiceConfig(
+            state_dir=tmp_path_factory.mktemp("schedule-pg-home"),
+            prefect_port=free_port(),
+            mlflow_port=free_port(),
+            postgres=cluster["url"],
+            startup_timeout_s=180,
+        )
+        urls = start_services(config)
+        apply_service_env(urls)
+        try:
+            yield urls
+        finally:
+            apply_service_env(services)
+            stop_services(config)
+
+
 @pytest.fixture(scope="module")
-def worker(services, tmp_path_factory):
+def worker(servers, tmp_path_factory):
     home = tmp_path_factory.mktemp("schedule")
     env = {
         **os.environ,
-        "PREFECT_API_URL": services["PREFECT_API_URL"],
-        "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"],
+        "PREFECT_API_URL": servers["PREFECT_API_URL"],
+        "MLFLOW_TRACKING_URI": servers["MLFLOW_TRACKING_URI"],
         "PYTHONPATH": str(ROOT),
     }
     deployed = subprocess.run(

@@ -10,18 +10,16 @@ user to run them; skips with that hint otherwise.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
+from pg_cluster import private_postgres, query
 from rlflow_cli import rlflow
 
 from flows.services import ServiceConfig, ServiceError, ensure_postgres_databases, start_services, stop_services
@@ -35,52 +33,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def postgres_bin() -> Path:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not found:
-        pytest.skip("PostgreSQL's server is not installed: `apt-get install postgresql` (Debian) runs this test")
-    if os.geteuid() != 0:
-        pytest.skip("starting a private PostgreSQL cluster needs root (to run it as the postgres user)")
-    return Path(found[-1]).parent
-
-
 @pytest.fixture(scope="module")
 def postgres():
-    """A private PostgreSQL cluster on 127.0.0.1 (its own folder and port), with a login role that may create
-    databases, as a team's database server would hand out; removed afterwards."""
-    bin_dir = postgres_bin()
-    folder = Path(tempfile.mkdtemp(prefix="rlpg-", dir="/tmp"))  # not under pytest's root-only folders
-    shutil.chown(folder, "postgres")
-    folder.chmod(0o700)
-    port = free_port()
-
-    def as_postgres(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["runuser", "-u", "postgres", "--", *args], capture_output=True, text=True, timeout=120)
-
-    done = as_postgres(str(bin_dir / "initdb"), "-D", str(folder / "data"), "--auth-local=trust", "-U", "postgres")
-    assert done.returncode == 0, done.stderr
-    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1"
-    done = as_postgres(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-o", options, "-l", str(folder / "log"),
-                       "-w", "start")  # fmt: skip
-    assert done.returncode == 0, done.stderr + (folder / "log").read_text()
-    password = uuid.uuid4().hex
-    sql = f"CREATE ROLE team LOGIN PASSWORD '{password}' CREATEDB"
-    done = as_postgres(str(bin_dir / "psql"), "-h", str(folder), "-p", str(port), "-U", "postgres", "-c", sql)
-    assert done.returncode == 0, done.stderr
-    yield {"url": f"postgresql://team:{password}@127.0.0.1:{port}", "port": port, "psql": (bin_dir, folder)}
-    as_postgres(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-m", "fast", "stop")
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def query(postgres, database: str, sql: str) -> list[str]:
-    bin_dir, folder = postgres["psql"]
-    done = subprocess.run(
-        ["runuser", "-u", "postgres", "--", str(bin_dir / "psql"), "-h", str(folder), "-p", str(postgres["port"]),
-         "-U", "postgres", "-d", database, "-tAc", sql],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout.split()
+    with private_postgres() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
