@@ -135,7 +135,8 @@ def plain_submit(pool: ThreadPoolExecutor):
 
 def demo_step(config_name: str, steps: int, rounds: int) -> None:
     from flows.config import load_config
-    from flows.runtime import _build_groups, dataset_rows
+    from flows.groups import build_groups
+    from flows.rows import dataset_rows
     from rlworkers.data.batching import prompt_batch
     from rlworkers.data.datasets import PromptDataLoader
     from rlworkers.models.loading import load_tokenizer, resolve_model_path
@@ -154,7 +155,7 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
         ]
 
     started = time.perf_counter()
-    groups = _build_groups(config, ("actor", "ref", "reward"), model_path)
+    groups = build_groups(config, ("actor", "ref", "reward"), model_path)
     print(
         f"\ndemo GRPO step ({config_name}: {config.trainer.n_workers} actor workers, reference "
         f"{'in the actor' if config.trainer.colocate_ref else 'group'}, {config.data.train_batch_size} prompts x "
@@ -212,8 +213,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--config", default="demo")
     args = parser.parse_args()
+    from flows.groups import ray_settings
     from flows.preflight import use_running_services
-    from flows.runtime import ray_settings
 
     use_running_services()
     address, init_kwargs = ray_settings(None, None)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
+from flows.groups import ray_task_runner
 from flows.lineage import flow_run_name
-from flows.runtime import ray_task_runner, start_run
+from flows.run_start import start_run
 from flows.stages import (
     compute_advantage,
     compute_log_prob,
@@ -53,16 +54,16 @@ def grpo(config: RLConfig) -> dict:
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
-                gen = run.ahead.pop(step, None) or generate(step)                                       # 1
+                gen = run.submitted_ahead(step) or generate(step)                                       # 1
                 scores = compute_reward.submit(reward, gen, step)                                       # 2
                 old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]
                 ref_lp = compute_ref_log_prob.submit(ref, gen, step)
                 batch = compute_advantage.submit(gen, [scores, *old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
                 update = update_actor.submit(actor, batch, step)                                        # 4
-                if run.runs_ahead(step):  # the next step's generation starts as soon as this update ends
-                    run.ahead[step + 1] = generate(step + 1, after=[update])
+                # the next step's generation starts as soon as this update ends (when nothing is due in between)
+                run.submit_ahead(step + 1, lambda: generate(step + 1, after=[update]))
                 result = update.result()
-                run.kl_ctrl_state = result.pop("kl_ctrl_state")
-                metrics.update(result)
+                run.kl_ctrl_state = result.kl_ctrl_state
+                metrics.update(result.metrics)
     # fmt: on
     return run.last_metrics

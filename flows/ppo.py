@@ -17,8 +17,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
+from flows.groups import ray_task_runner
 from flows.lineage import flow_run_name
-from flows.runtime import ray_task_runner, start_run
+from flows.run_start import start_run
 from flows.stages import (
     compute_advantage,
     compute_log_prob,
@@ -59,18 +60,18 @@ def ppo(config: RLConfig) -> dict:
     with run.training():
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
-                gen = run.ahead.pop(step, None) or generate(step)                                   # 1
+                gen = run.submitted_ahead(step) or generate(step)                                   # 1
                 old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]                 # 2
                 parts = [compute_reward.submit(reward, gen, step), *old,
                          compute_ref_log_prob.submit(ref, gen, step), compute_values.submit(critic, gen, step)]
                 batch = compute_advantage.submit(gen, parts, algorithm, run.kl_ctrl_state, step)    # 3
                 critic_result = update_critic.submit(critic, batch, step)                           # 4
                 update = update_actor.submit(actor, batch, step)
-                if run.runs_ahead(step):  # the next step's generation starts as soon as both updates end
-                    run.ahead[step + 1] = generate(step + 1, after=[critic_result, update])
+                # the next step's generation starts as soon as both updates end (when nothing is due in between)
+                run.submit_ahead(step + 1, lambda: generate(step + 1, after=[critic_result, update]))
                 result = update.result()
-                run.kl_ctrl_state = result.pop("kl_ctrl_state")
+                run.kl_ctrl_state = result.kl_ctrl_state
                 metrics.update(critic_result.result())
-                metrics.update(result)
+                metrics.update(result.metrics)
     # fmt: on
     return run.last_metrics

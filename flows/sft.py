@@ -11,8 +11,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
+from flows.groups import ray_task_runner
 from flows.lineage import flow_run_name
-from flows.runtime import ray_task_runner, start_run
+from flows.run_start import start_run
 from flows.stages import sft_step
 
 

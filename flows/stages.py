@@ -11,12 +11,13 @@ Retry policy, per stage:
 - pure or idempotent stages (reward, log-probs, values, advantages, validation, checkpoint) retry in place, twice,
   unless a worker died or hung (retrying a call on a dead actor cannot succeed);
 - stages that change state (generate consumes RNG; updates change weights) do not retry in place.
-A step that fails because a worker died or hung is redone by the flow's loop: ``Run.recover`` replaces the lost
-workers and restores the newest checkpoint (``trainer.max_restarts`` times at most).
+A step that fails because a worker died or hung is redone by the flow's loop: ``flows.recovery.recover`` replaces the
+lost workers and restores the newest checkpoint (``trainer.max_restarts`` times at most).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -33,7 +34,7 @@ from rlworkers.single_controller import WorkerError
 
 def _worker_alive(task, task_run, state) -> bool:
     """Retry in place unless a worker died or hung: a call on a dead actor cannot succeed, and recovery (a
-    restart from the last checkpoint, see ``Run.recover``) is what follows."""
+    restart from the last checkpoint, see ``flows.recovery.recover``) is what follows."""
     try:
         state.result()
     except WorkerError as error:
@@ -43,15 +44,36 @@ def _worker_alive(task, task_run, state) -> bool:
     return True
 
 
+@dataclasses.dataclass
+class PolicyUpdate:
+    """What a policy update returns to the flow: the step's metrics (the update's, the data's, every stage's timing)
+    and the adaptive KL controller's state, which the next step's advantage stage starts from."""
+
+    metrics: dict[str, float]
+    kl_ctrl_state: dict | None = None
+
+
 STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 IDEMPOTENT = {**STAGE, "retries": 2, "retry_delay_seconds": 1, "retry_condition_fn": _worker_alive}
 STATEFUL = {**STAGE, "retries": 0}
 
 
+def task_run_name(stage: str, step: int | str, last: int | None = None) -> str:
+    """The name of a stage's task run: ``<stage>-step-<step>``, ``...-to-<last>`` for a block of steps (one name
+    format: ``flows.recovery.failed_stages`` finds a step's failed stages by it)."""
+    return f"{stage}-step-{step}" + (f"-to-{last}" if last not in (None, step) else "")
+
+
+def is_task_run_of_step(name: str, step: int) -> bool:
+    """Whether the task run called ``name`` (see ``task_run_name``) ran ``step``, alone or first of a block."""
+    return name.endswith(f"-step-{step}") or f"-step-{step}-to-" in name
+
+
 def timed(name: str):
     """Decorate a stage function so it records ``timing_s/<name>``, the seconds spent in its call: in the
     ``meta_info`` of the DataProto it returns (``union`` carries it on to the next stages), or, for a stage that
-    returns the step's metrics, in that dict beside the timings its input batches carry."""
+    returns the step's metrics (a dict, or a ``PolicyUpdate``'s), among them beside the timings its input batches
+    carry."""
     key = f"timing_s/{name}"
 
     def decorate(stage):
@@ -65,6 +87,8 @@ def timed(name: str):
                 return out
             batches = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, DataProto)]
             earlier = {k: v for batch in batches for k, v in batch.meta_info.items() if k.startswith("timing_s/")}
+            if isinstance(out, PolicyUpdate):
+                return dataclasses.replace(out, metrics={**out.metrics, **earlier, key: seconds})
             return {**out, **earlier, key: seconds}
 
         return timed_stage
@@ -78,7 +102,7 @@ def stage(name: str, policy: dict, timing: str | None = None):
 
     def decorate(fn):
         body = timed(timing)(fn) if timing else fn
-        return task(name=name, task_run_name=f"{name}-step-{{step}}", **policy)(body)
+        return task(name=name, task_run_name=task_run_name(name, "{step}"), **policy)(body)  # Prefect fills {step}
 
     return decorate
 
@@ -141,14 +165,13 @@ def compute_advantage(
 
 
 @stage("update_actor", STATEFUL, timing="update_actor")
-def update_actor(actor, batch: DataProto, step: int) -> dict:
-    """PPO/GRPO policy update. Returns the step's metrics (update, data, every stage's timing) and, under
-    ``kl_ctrl_state``, the adaptive KL controller's state for the next step (the flow pops it)."""
-    return {
-        **_mean_metrics(actor.update_actor(batch)),
-        **batch.meta_info["data_metrics"],
-        "kl_ctrl_state": batch.meta_info.get("kl_ctrl_state"),
-    }
+def update_actor(actor, batch: DataProto, step: int) -> PolicyUpdate:
+    """PPO/GRPO policy update: the step's metrics (update, data, every stage's timing) and the KL controller's
+    state for the next step."""
+    return PolicyUpdate(
+        metrics={**_mean_metrics(actor.update_actor(batch)), **batch.meta_info["data_metrics"]},
+        kl_ctrl_state=batch.meta_info.get("kl_ctrl_state"),
+    )
 
 
 @stage("update_critic", STATEFUL, timing="update_critic")
@@ -159,8 +182,7 @@ def update_critic(critic, batch: DataProto, step: int) -> dict:
 def _sft_run_name() -> str:
     from prefect.runtime import task_run
 
-    step, last = task_run.parameters["step"], task_run.parameters["last_step"]
-    return f"sft_step-step-{step}" + (f"-to-{last}" if last != step else "")
+    return task_run_name("sft_step", task_run.parameters["step"], task_run.parameters["last_step"])
 
 
 @task(name="sft_step", task_run_name=_sft_run_name, **STATEFUL)
@@ -224,7 +246,7 @@ def save_checkpoint(
         )
     except WorkerError as error:
         if error.actor_died:
-            raise  # a lost or hung worker: the step is redone after a restart (Run.recover)
+            raise  # a lost or hung worker: the step is redone after a restart (flows.recovery.recover)
         cause = str(error.cause).strip().splitlines()[0] if str(error.cause).strip() else ""
         raise CheckpointSaveError(
             step_dir, previous, f"rank {error.rank} failed in {error.method}: {type(error.cause).__name__}: {cause}"

@@ -51,7 +51,7 @@ wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
-``flows.runtime.start_run`` passes them. A flow that never calls it gets Ray with the runner's own ``address`` and
+``flows.run_start.start_run`` passes them. A flow that never calls it gets Ray with the runner's own ``address`` and
 ``init_kwargs`` at its first submit.
 
 The host starts with the flow's Ray, and at once imports the modules the tasks come from (``preload``) and opens

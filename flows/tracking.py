@@ -14,7 +14,6 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import mlflow
@@ -280,45 +279,6 @@ class ProgressArtifact:
         self._sending.shutdown(wait=True)
         if self._open_client is not None:
             self._open_client.__exit__(None, None, None)
-
-
-def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0) -> list[str]:
-    """``"<task run name>: <state message>"`` for each failed task run of ``step`` (or of a block of steps that starts
-    there, ``...-step-<step>-to-<last>``) in the current flow run that started at ``since`` or later (a step redone
-    after a restart has task runs of the same names from before).
-
-    Task-run states reach the Prefect server as events, a moment after the failure: wait up to ``wait_s``."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.runtime import flow_run
-
-    if not flow_run.get_id():
-        return []
-    deadline = time.monotonic() + wait_s
-    with get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.get_id()])),
-                task_run_filter=TaskRunFilter(
-                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED]), name=None)
-                ),
-            )
-            found = [
-                f"{r.name}: {r.state.message if r.state else r.state_name}"
-                for r in runs
-                if (r.name.endswith(f"-step-{step}") or f"-step-{step}-to-" in r.name)
-                and (since is None or (r.start_time or r.expected_start_time or r.created) >= since)
-            ]
-            if found or time.monotonic() > deadline:
-                return found
-            time.sleep(1.0)
 
 
 def artifact_key(name: str) -> str:

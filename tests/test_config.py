@@ -7,7 +7,8 @@ import json
 import pytest
 
 from flows.config import ConfigError, apply_overrides, flatten, load_config, resolve_preset
-from flows.runtime import Run, dataset_rows
+from flows.rows import dataset_rows
+from flows.runtime import Run
 
 
 def test_preset_and_overrides():
@@ -67,5 +68,5 @@ def test_step_blocks_end_where_validation_or_a_checkpoint_is_due_and_rewind():
     assert list(run.steps) == list(range(1, 12))
     blocks = run.step_blocks(4)
     assert next(blocks) == [1, 2, 3] and next(blocks) == [4, 5]
-    run.next_step = 4  # what recovery does after restoring the step-3 checkpoint
+    run.redo_from = 4  # what recovery does after restoring the step-3 checkpoint
     assert list(blocks) == [[4, 5], [6], [7, 8, 9], [10], [11]]

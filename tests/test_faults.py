@@ -17,7 +17,7 @@ import torch
 
 from flows.config import ConfigError
 from flows.lineage import ModelReferenceError, RestartBudgetExhausted, RunAlreadyComplete
-from flows.runtime import FaultBudgetExhausted, StepFailed
+from flows.recovery import FaultBudgetExhausted, StepFailed
 from flows.services import ServiceError
 from rlworkers.checkpoint import CorruptCheckpointError
 from rlworkers.single_controller import (
@@ -200,7 +200,7 @@ def test_a_collective_with_a_hung_peer_fails_after_its_timeout(peers):  # last: 
 
 def test_a_checkpoint_of_another_run_shape_is_refused_before_workers_start():
     from flows.config import load_config
-    from flows.runtime import CheckpointMismatch, check_checkpoint_fits
+    from flows.run_start import CheckpointMismatch, check_checkpoint_fits
 
     config = load_config("demo", ["trainer.n_workers=2", "model.path=tiny"])
     state = {"algorithm": "grpo", "world_size": 2, "config": config.model_dump(mode="json")}

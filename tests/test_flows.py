@@ -26,10 +26,10 @@ from prefect_api import settled_task_runs
 from safetensors.torch import load_file
 
 from flows.config import ConfigError, load_config, runs_root
+from flows.groups import ray_task_runner
 from flows.grpo import grpo
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
-from flows.runtime import ray_task_runner
 from flows.sft import sft
 from rlworkers.checkpoint import list_checkpoints
 from rlworkers.models.tiny import ensure_tiny_model

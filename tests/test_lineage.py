@@ -19,8 +19,8 @@ from rlflow_cli import rlflow
 from safetensors.torch import load_file
 
 from flows.config import load_config
+from flows.groups import ray_task_runner
 from flows.lineage import RunRecord, read_result
-from flows.runtime import ray_task_runner
 from flows.sft import sft
 from rlworkers.models.tiny import ensure_tiny_model
 

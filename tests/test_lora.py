@@ -279,8 +279,8 @@ def lora_grpo_config(env, *extra: str):
 
 
 def run_grpo(config):
+    from flows.groups import ray_task_runner
     from flows.grpo import grpo
-    from flows.runtime import ray_task_runner
 
     return grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
 
@@ -355,9 +355,9 @@ def test_a_lineage_registers_adapters_and_the_next_run_trains_the_champion_furth
 def test_the_other_flows_train_an_adapter(flow_env, algorithm):
     import uuid
 
+    from flows.groups import ray_task_runner
     from flows.online_dpo import online_dpo
     from flows.ppo import ppo
-    from flows.runtime import ray_task_runner
     from flows.sft import sft
 
     name = f"lora-{algorithm}-{uuid.uuid4().hex[:6]}"

@@ -155,8 +155,8 @@ def flows_env(ray_cluster, services, s3, tmp_path_factory):
 
 
 def _run(config):
+    from flows.groups import ray_task_runner
     from flows.grpo import grpo
-    from flows.runtime import ray_task_runner
 
     state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
     return state
@@ -236,7 +236,8 @@ def test_a_runs_dir_that_cannot_be_written_fails_before_anything_starts(flows_en
     # As user nobody. The check runs once as root first, so that what it imports lazily is loaded before the switch:
     # nobody may not be able to read this checkout (a clone in a 0700 folder).
     check = (
-        "import os, tempfile; from flows.config import load_config; from flows.runtime import check_runs_dir_writable; "
+        "import os, tempfile; from flows.config import load_config; "
+        "from flows.run_start import check_runs_dir_writable; "
         "check_runs_dir_writable(load_config('demo', [f'trainer.runs_dir={tempfile.mkdtemp()}'])); "
         f"config = load_config('demo', ['trainer.runs_dir={read_only}']); "
         "os.setgid(65534); os.setuid(65534); check_runs_dir_writable(config)"

@@ -23,8 +23,8 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from flows.config import load_config, runs_root
+from flows.groups import ray_task_runner
 from flows.grpo import grpo
-from flows.runtime import ray_task_runner
 from flows.sft import sft
 from rlworkers.data.batching import prompt_batch, sft_batch
 from rlworkers.data.synthetic import addition_rows

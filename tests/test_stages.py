@@ -40,11 +40,21 @@ def test_the_update_reports_its_time_beside_those_its_batch_carries(monkeypatch)
     )
     _clock(monkeypatch, 100.0, 101.0)
     result = update_actor.fn(StandInActor(), batch, step=1)
-    assert result == {
+    assert result.metrics == {
         "actor/pg_loss": 2.0,
         "critic/score/mean": 0.5,
-        "kl_ctrl_state": {"value": 0.1},
         "timing_s/gen": 2.5,
         "timing_s/adv": 0.25,
         "timing_s/update_actor": 1.0,
     }
+    assert result.kl_ctrl_state == {"value": 0.1}
+
+
+def test_one_task_run_name_format_made_by_the_stages_and_read_by_recovery():
+    assert stages.update_actor.task_run_name == "update_actor-step-{step}"  # Prefect fills in the step
+    assert stages.task_run_name("sft_step", 4, 7) == "sft_step-step-4-to-7"
+    assert stages.task_run_name("sft_step", 4, 4) == "sft_step-step-4"
+    assert stages.is_task_run_of_step("update_actor-step-12", 12)
+    assert stages.is_task_run_of_step("sft_step-step-4-to-7", 4)
+    assert not stages.is_task_run_of_step("update_actor-step-12", 2)  # a suffix of another step's number
+    assert not stages.is_task_run_of_step("sft_step-step-4-to-7", 7)  # a block belongs to its first step

@@ -1,0 +1,206 @@
+"""Where a run's workers come from: Ray (a local one, or the cluster at ``trainer.ray_address``), the flows' task
+runner, and the worker groups of a run's roles, built and released."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from flows.config import RLConfig
+from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rlworkers.storage import storage_env
+from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
+from rlworkers.workers.critic import CriticWorker
+from rlworkers.workers.reward import RewardWorker, RuleReward
+
+logger = logging.getLogger(__name__)
+
+
+def build_group(
+    cls,
+    n: int,
+    *,
+    use_gpu: bool,
+    cpus_per_worker: float = 1.0,
+    timeout: tuple[float, float] | None = None,
+    **init_kwargs,
+) -> RayWorkerGroup:
+    pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
+    worker_cls = RayClassWithInitArgs(cls=cls, **init_kwargs)
+    if env := storage_env():  # workers write checkpoints straight to the store
+        worker_cls.update_options({"runtime_env": {"env_vars": env}})
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls)
+    if timeout:
+        group.set_call_timeout(*timeout)
+    group.init_model()
+    return group
+
+
+def release_group(group: RayWorkerGroup) -> None:
+    """End a group's actors and give its placement back."""
+    group.shutdown()
+    if group.resource_pool is not None:
+        group.resource_pool.remove()
+
+
+def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup | RuleReward]:
+    """The worker groups of ``roles``, built at once: their processes start and load the model in parallel. The
+    reference may share the actor's group (``trainer.colocate_ref``); a rule reward is a ``RuleReward`` that the
+    compute_reward stage calls itself (``reward.num_workers=0``, the default for rules)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    trainer = config.trainer
+    use_gpu, timeout = trainer.device == "cuda", (trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample)
+    model = config.model.model_copy(update={"path": model_path})  # resolved once: "tiny" -> its folder
+    worker_config = config.worker_config().model_copy(update={"model": model})
+    colocate_ref = trainer.colocate_ref and "actor" in roles
+    plans = {
+        "actor": (
+            ActorRolloutRefWorker,
+            trainer.n_workers,
+            {
+                "use_gpu": use_gpu,
+                "config": worker_config,
+                "role": "actor_rollout_ref" if colocate_ref else "actor_rollout",
+            },
+        ),
+        "ref": (ActorRolloutRefWorker, 1, {"use_gpu": use_gpu, "config": worker_config, "role": "ref"}),
+        "critic": (
+            CriticWorker,
+            trainer.n_workers,
+            {
+                "use_gpu": use_gpu,
+                "config": config.critic,
+                "model": model,
+                "device": trainer.device,
+                "seed": trainer.seed,
+                "collective_timeout_s": trainer.collective_timeout_s,
+            },
+        ),
+        "reward": (
+            RewardWorker,
+            config.reward.worker_count,
+            {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward, "tokenizer_path": model_path},
+        ),
+    }
+    # a rule reward scores in the compute_reward stage (reward.num_workers=0): loaded here, before any worker starts
+    in_stage = "reward" in roles and not config.reward.worker_count
+    rule_reward = RuleReward(config.reward, model_path).load() if in_stage else None
+    no_group_of_its_own = {"ref": colocate_ref, "reward": rule_reward is not None}
+    wanted = [role for role in plans if role in roles and not no_group_of_its_own.get(role)]
+    with ThreadPoolExecutor(len(wanted)) as pool:
+        futures = {
+            role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
+            for role in wanted
+        }
+    groups, errors = {}, []
+    for role, future in futures.items():
+        try:
+            groups[role] = future.result()
+        except Exception as error:
+            errors.append(error)
+    if errors:  # release what did start before failing with the first error
+        for group in groups.values():
+            group.shutdown()
+            group.resource_pool.remove()
+        raise errors[0]
+    if colocate_ref and "ref" in roles:
+        groups["ref"] = groups["actor"]  # one group in two roles (Run.distinct_groups lists it once)
+    if rule_reward is not None:
+        groups["reward"] = rule_reward
+    return groups
+
+
+def flow_task_runner():
+    """The task runner of the flow run this process is in; training flows run on ``ray_task_runner()``."""
+    from prefect.context import FlowRunContext
+
+    from flows.task_runner import WarmRayTaskRunner
+
+    runner = FlowRunContext.get().task_runner
+    if not isinstance(runner, WarmRayTaskRunner):
+        raise TypeError(
+            f"training flows run on flows.groups.ray_task_runner(), not {type(runner).__name__}: drop "
+            "the task_runner of `flow.with_options(...)`"
+        )
+    return runner
+
+
+def reap_orphaned_ray_agents() -> list[int]:
+    """Kill ``ray::`` processes (Ray's per-node agents and workers) whose raylet is gone.
+
+    Every such process is started by a raylet and stays its child. When a flow process that started a local Ray
+    dies by SIGKILL, its raylet and GCS exit with it, but Ray's two agents (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``) can outlive them indefinitely. Every attempt starts by ending those orphans (this
+    user's only), so the new attempt of a crashed run leaves nothing of the dead one behind."""
+    import psutil
+
+    reaped = []
+    for process in psutil.process_iter(["name", "uids"]):
+        try:
+            if not (process.info["name"] or "").startswith("ray::") or process.info["uids"].real != os.getuid():
+                continue
+            parent = process.parent()
+            if parent is None or "raylet" not in parent.name():
+                process.kill()
+                reaped.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    if reaped:
+        logger.warning("ended %d Ray agent process(es) left by a dead local Ray: %s", len(reaped), reaped)
+    return reaped
+
+
+def _service_env() -> dict[str, str]:
+    """Environment every Ray worker (on every node) gets: where the services are, where the tiny model lives,
+    how to reach the object store."""
+    return {
+        **{
+            k: os.environ[k]
+            for k in (
+                "PREFECT_API_URL",
+                "MLFLOW_TRACKING_URI",
+                "RLFLOW_TINY_MODEL_DIR",
+                "RLFLOW_SMOLLM2_MODEL_DIR",
+                # credentials of servers with authentication (in the workers' environment, never in a param)
+                "PREFECT_API_AUTH_STRING",
+                "PREFECT_API_KEY",
+                "MLFLOW_TRACKING_USERNAME",
+                "MLFLOW_TRACKING_PASSWORD",
+                "MLFLOW_TRACKING_TOKEN",
+            )
+            if k in os.environ
+        },
+        **storage_env(),
+    }
+
+
+def ray_task_runner():
+    """The flows' task runner (``WarmRayTaskRunner``: prefect-ray's, with tasks in a long-lived actor), built here
+    only. It starts Ray when the flow's ``start_run`` calls ``start_ray`` with the run's config (``ray_settings``).
+    Every Ray worker, on every node, gets the service URLs in its environment."""
+    from flows.task_runner import WarmRayTaskRunner
+
+    # the worker classes too: a stage task's WorkerGroup argument is rebuilt in the host from its worker class, and the
+    # first one (validation before step 1) would otherwise wait for torch and transformers to import there; and the
+    # run's modules (with MLflow): the flow run context every task gets holds the flow, whose module imports them
+    workers = ("rlworkers.workers.actor_rollout_ref", "rlworkers.workers.critic", "rlworkers.workers.reward")
+    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", *workers, "flows.run_start"))
+
+
+def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:
+    """``(address, ray.init keyword arguments)`` for ``trainer.ray_address`` / ``trainer.ray_num_cpus``: Ray at
+    ``address`` (else ``$RAY_ADDRESS``) when one is given, otherwise a local Ray with ``num_cpus`` (else
+    ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as slots for the worker processes. ``num_cpus`` does
+    not apply to an existing cluster (it has its own resources)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
+    if address is None:
+        init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
+        # Ray starts idle worker processes for the driver's job at once, but every actor rlflow starts has a
+        # runtime env of its own (per-rank variables) and never uses them: on a small machine they only slow the
+        # worker groups' start-up (about 1 s of the demo's 15 s here).
+        init_kwargs["_system_config"] = {"prestart_worker_first_driver": False}
+    else:
+        init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
+    return address, init_kwargs

@@ -1,0 +1,147 @@
+"""What a run does when a step fails: find the workers that died or hung, replace them, restore the newest valid
+checkpoint (or the start) and rewind the run's steps, within ``trainer.max_restarts``; and what it refuses to retry
+(every worker alive: a bug or bad data a restart would repeat; a checkpoint store that failed). ``run`` is the
+flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+from prefect import get_run_logger
+from prefect.exceptions import UnfinishedRun
+
+from flows.stages import is_task_run_of_step
+from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
+from rlworkers.single_controller import PlacementError
+
+STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
+
+
+class FaultBudgetExhausted(RuntimeError):
+    """More worker faults than ``trainer.max_restarts``; ``faults`` lists each one."""
+
+    def __init__(self, message: str, faults: list[str]):
+        self.faults = faults
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.faults)
+
+
+class StepFailed(RuntimeError):
+    """A step failed with every worker alive (a bug or bad data, which a restart would repeat)."""
+
+
+def recover(run, step: int, error: Exception) -> None:
+    """After a failed step: replace the workers that died or hung, restore every stateful group from the
+    newest valid checkpoint (or the start) and rewind ``steps``, at most ``trainer.max_restarts`` times.
+
+    Raises the step's error when every worker is alive (a restart would repeat it) or when the checkpoint
+    store failed (a restart could not restore from it either), and ``FaultBudgetExhausted`` past the budget."""
+    if isinstance(error, CheckpointSaveError):
+        raise error  # the store failed, not a worker (a rank may still be stuck in its write): no restart
+    started = time.perf_counter()
+    run.ahead.clear()  # submitted after the failed stage: they never run (NotReady), and steps rewind
+    lost = {name: ranks for name, group in run.distinct_groups().items() if (ranks := group.unresponsive_ranks())}
+    failures = failed_stages(step, since=run.step_started_at) or [f"{type(error).__name__}: {error}"]
+    if not lost:
+        if isinstance(error, UnfinishedRun):  # a stage before this one failed: say which, and why
+            raise StepFailed(f"step {step} failed with every worker alive: " + "; ".join(failures)) from error
+        raise error
+    where = ", ".join(f"{name} rank(s) {ranks}" for name, ranks in lost.items())
+    run.faults.append(f"step {step}: {where} lost; " + "; ".join(failures))
+    budget = run.config.trainer.max_restarts
+    if len(run.faults) > budget:
+        listed = "\n".join(f"  {i}. {fault}" for i, fault in enumerate(run.faults, 1))
+        raise FaultBudgetExhausted(
+            f"run {run.config.trainer.run_name!r} hit {len(run.faults)} worker "
+            f"faults, more than trainer.max_restarts={budget}:\n{listed}",
+            run.faults,
+        ) from error
+    log = get_run_logger()
+    log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(run.faults), budget)
+    checkpoint = find_latest_checkpoint(run.checkpoint_root, required=["trainer_state.json"])
+    rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(run.distinct_groups()))
+    try:
+        for name in sorted(rebuild):
+            restart_group(run, name)
+        if checkpoint:
+            run.restore(checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
+        else:
+            run.loader.load_state_dict(run.start_state["loader"])
+            run.kl_ctrl_state, run.start_step = run.start_state["kl_ctrl_state"], 1
+    except Exception as during_recovery:  # another worker lost while recovering: one more fault
+        recover(run, step, during_recovery)
+        return
+    run.redo_from = run.start_step
+    seconds = time.perf_counter() - started
+    run.tracker.log_metrics({"fault/restarts": len(run.faults), "fault/recovery_s": seconds}, step)
+    if run.progress:
+        run.progress.update(run.start_step - 1, restarts=len(run.faults))
+    log.warning(
+        "recovered in %.1f s: rebuilt %s, resuming at step %d from %s",
+        seconds,
+        sorted(rebuild),
+        run.start_step,
+        checkpoint[0] if checkpoint else "the start model",
+    )
+
+
+def restart_group(run, name: str) -> None:
+    """New actors for one group, waiting up to ``trainer.capacity_timeout_s`` for room (a lost node)."""
+    group = run.groups[name]
+    deadline = time.monotonic() + run.config.trainer.capacity_timeout_s
+    while True:
+        try:
+            group.restart()
+            break
+        except PlacementError as error:
+            if time.monotonic() > deadline:
+                raise
+            get_run_logger().warning(
+                "waiting for capacity to restart %s (up to trainer.capacity_timeout_s=%.0f s): %s",
+                name,
+                run.config.trainer.capacity_timeout_s,
+                error,
+            )
+    group.init_model()
+
+
+def failed_stages(step: int, since: datetime | None = None, wait_s: float = 10.0) -> list[str]:
+    """``"<task run name>: <state message>"`` for each failed task run of ``step`` (or of a block of steps that starts
+    there, ``...-step-<step>-to-<last>``) in the current flow run that started at ``since`` or later (a step redone
+    after a restart has task runs of the same names from before).
+
+    Task-run states reach the Prefect server as events, a moment after the failure: wait up to ``wait_s``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import flow_run
+
+    if not flow_run.get_id():
+        return []
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.get_id()])),
+                task_run_filter=TaskRunFilter(
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED]), name=None)
+                ),
+            )
+            found = [
+                f"{r.name}: {r.state.message if r.state else r.state_name}"
+                for r in runs
+                if is_task_run_of_step(r.name, step)
+                and (since is None or (r.start_time or r.expected_start_time or r.created) >= since)
+            ]
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(1.0)

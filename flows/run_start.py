@@ -1,0 +1,276 @@
+"""A run's start: name it, pin (or read back) what it starts from, check data, model and checkpoint before any worker
+starts, open its MLflow run, build its worker groups and resume its newest checkpoint (``start_run``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+
+import fsspec
+from prefect import get_run_logger
+
+from flows import evaluation, lineage
+from flows.config import RLConfig, flatten, runs_root
+from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
+from flows.rows import dataset_rows, read_rows
+from flows.runtime import Run, TerminalProgress
+from flows.tracking import (
+    ProgressArtifact,
+    Tracker,
+    prefect_flow_run_links,
+    publish_mlflow_link,
+)
+from rlworkers.checkpoint import (
+    read_json,
+    resolve_resume,
+    write_json,
+)
+from rlworkers.data.batching import TokenCache
+from rlworkers.data.datasets import PromptDataLoader
+from rlworkers.models import lora
+from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_model_path
+from rlworkers.storage import is_remote
+from rlworkers.workers.config import RewardConfig
+from rlworkers.workers.reward import RuleReward
+
+
+def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Run:
+    """Name the run, pin what it starts from (first attempt) or read that back (later attempts), open its MLflow
+    run, build the worker groups (``roles`` among actor, ref, reward, critic) and resume its newest checkpoint.
+
+    Raises:
+        RunAlreadyComplete: the run already trained all its steps and published them (``trainer.republish``).
+        RestartBudgetExhausted: the flow run crashed more than ``trainer.max_crash_restarts`` times.
+        ModelReferenceError: ``model.path`` names an MLflow model that does not exist.
+    """
+    from flows.preflight import require_mlflow_tracking, require_prefect_api
+
+    if algorithm != "sft" and config.trainer.steps_per_task != 1:
+        raise ValueError(
+            f"trainer.steps_per_task={config.trainer.steps_per_task} applies to SFT only: {algorithm} runs each "
+            "stage of a step as a task of its own; set it to 1"
+        )
+    require_prefect_api()
+    require_mlflow_tracking()
+    check_runs_dir_writable(config)
+    reap_orphaned_ray_agents()
+    flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
+    config = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"run_name": lineage.run_name(config, algorithm)})}
+    )
+    name = config.trainer.run_name
+    root = runs_root(config)
+    crashes = lineage.check_restart_budget(config.trainer.max_crash_restarts)
+    links = prefect_flow_run_links()
+    record = lineage.RunRecord.read(root)
+    same_flow_run = record is not None and record.prefect_flow_run_id == links.get("prefect.flow_run_id")
+    if record and config.trainer.resume == "never" and not same_flow_run:
+        raise RuntimeError(
+            f"run {name!r} already exists under {root}; use trainer.resume=auto to continue it, or "
+            "choose another trainer.run_name"
+        )
+    # resume=never means "do not continue another run": a later attempt of this flow run still resumes its own.
+    resume = resolve_resume(f"{root}/checkpoints", "auto" if same_flow_run else config.trainer.resume)
+    state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
+    if state:
+        check_checkpoint_fits(resume[0], state, config, algorithm, record.model_dir if record else None)
+    if (
+        state
+        and state["step"] >= config.trainer.total_steps
+        and lineage.read_result(root)
+        and not config.trainer.republish
+    ):
+        raise lineage.RunAlreadyComplete(
+            f"run {name!r} already trained its {config.trainer.total_steps} steps and published its result "
+            f"({root}/result.json): nothing to do. Raise trainer.total_steps to train it further, set "
+            "trainer.republish=true to publish it again, or start a new run (another trainer.run_name, or a "
+            "lineage's next run)."
+        )
+
+    if record is None:  # nothing is written before the start model and the data have checked out
+        model_uri, model_dir = _start_model(config)
+    else:
+        model_uri, model_dir = record.model_uri, record.model_dir
+    tokenizer = TokenCache(load_tokenizer(model_dir))  # the length check below tokenizes every prompt once
+    checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
+    train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
+    eval_sets = evaluation.resolve_sets(config, val_rows, lambda files: read_rows(config, files, checked))
+    for eval_set in eval_sets:  # a scorer that does not load fails here, before any worker starts
+        if eval_set.scorer is not None:
+            RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
+
+    experiment = config.trainer.lineage or config.trainer.project_name
+    tags = {
+        "algorithm": algorithm,
+        **links,
+        **({"rlflow.lineage": config.trainer.lineage} if config.trainer.lineage else {}),
+    }
+    if record is None:
+        tracker, record = _new_record(
+            config, algorithm, experiment, tags, links.get("prefect.flow_run_id"), model_uri, model_dir
+        )
+    else:
+        tracker = Tracker(experiment, name, run_id=record.mlflow_run_id, tags=tags)
+    tracker.log_params(flatten(config))
+    publish_mlflow_link(name, tracker.url)
+
+    loader = PromptDataLoader(
+        train_rows, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.trainer.seed
+    )
+    run = Run(
+        config=config,
+        algorithm=algorithm,
+        root=root,
+        tokenizer=tokenizer,
+        loader=loader,
+        val_rows=val_rows,
+        tracker=tracker,
+        eval_sets=eval_sets,
+        record=record,
+    )
+    if record.data_cursor and not resume:
+        get_run_logger().info(
+            "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
+        )
+    run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
+    if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
+        lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
+    run.groups = build_groups(config, roles, record.model_dir)
+    if resume:
+        run.restore(resume[0], state)
+    run.progress = ProgressArtifact(name, config.trainer.total_steps)
+    if sys.stderr.isatty():
+        run.terminal = TerminalProgress(f"{algorithm} {name}", config.trainer.total_steps, run.start_step - 1)
+    get_run_logger().info(
+        "%s run %r from %s: steps %d..%d, MLflow %s%s%s",
+        algorithm,
+        name,
+        record.model_uri,
+        run.start_step,
+        config.trainer.total_steps,
+        tracker.url,
+        f" (resumed from {resume[0]})" if resume else "",
+        f" (attempt after {crashes} crash(es))" if crashes else "",
+    )
+    return run
+
+
+class CheckpointMismatch(RuntimeError):
+    """A checkpoint this run would resume was written by another algorithm, model or number of workers."""
+
+
+def check_checkpoint_fits(
+    path: str, state: dict, config: RLConfig, algorithm: str, start_model: str | None = None
+) -> None:
+    """Refuse, before any worker starts, a checkpoint that this run cannot continue; a LoRA checkpoint also when
+    the weights of the base it was trained on are not those of this run's base (``start_model``'s)."""
+    saved = state.get("config", {})
+    problems = []
+    if state.get("algorithm") != algorithm:
+        problems.append(f"it is a {state.get('algorithm')} checkpoint and this is the {algorithm} flow")
+    if state.get("world_size") not in (None, config.trainer.n_workers):
+        problems.append(
+            f"it was written by {state['world_size']} actor workers and this run has "
+            f"trainer.n_workers={config.trainer.n_workers}"
+        )
+    saved_model = saved.get("model", {}).get("path")
+    if saved_model not in (None, config.model.path):
+        problems.append(f"it trains model.path={saved_model!r} and this run names {config.model.path!r}")
+    saved_lora = saved.get("actor", {}).get("lora", {}).get("rank", 0)
+    if saved_lora != config.actor.lora.rank:
+        problems.append(f"it was trained with actor.lora.rank={saved_lora} and this run has {config.actor.lora.rank}")
+    elif saved_lora and start_model is not None:
+        problems += _lora_base_problems(f"{path}/actor", start_model)
+    if problems:
+        raise CheckpointMismatch(
+            f"cannot resume {path}: {'; '.join(problems)}. Fix: use the settings the run was started with, or start "
+            "a new run (another trainer.run_name, or trainer.resume=never)."
+        )
+
+
+def _lora_base_problems(adapter_dir: str, start_model: str) -> list[str]:
+    saved = lora.read_base(adapter_dir).get("sha256")
+    base = base_model_path(resolve_model_path(start_model))
+    if saved and lora.weights_fingerprint(base) != saved:
+        return [
+            f"its adapter was trained on a base model with other weights than {base} has now (sha256 "
+            f"{saved[:12]}... then, {lora.weights_fingerprint(base)[:12]}... now)"
+        ]
+    return []
+
+
+def check_runs_dir_writable(config: RLConfig) -> None:
+    """Fail before anything starts when ``trainer.runs_dir`` cannot be written (permissions, credentials, a
+    missing bucket): checkpoints would fail only at the first save, after minutes of training."""
+    runs = config.trainer.runs_dir
+    probe = f"{runs.rstrip('/') if is_remote(runs) else os.path.abspath(runs)}/.rlflow-write-test-{uuid.uuid4().hex}"
+    try:
+        write_json(probe, {"written_by": "rlflow pre-flight check"})
+        fs, path = fsspec.core.url_to_fs(probe)
+        fs.rm(path)
+    except Exception as error:  # PermissionError, botocore's ClientError, NoCredentialsError...
+        raise PermissionError(
+            f"trainer.runs_dir={runs!r} cannot be written ({type(error).__name__}: {error}). "
+            "Checkpoints, the run record and the final model go there. Fix: pick a folder you can "
+            "write (or fix its permissions), or for s3:// check the bucket exists and the "
+            "credentials (AWS_* variables, AWS_ENDPOINT_URL for an S3-compatible store)."
+        ) from error
+
+
+def _start_model(config: RLConfig) -> tuple[str, str]:
+    """(pinned URI, folder) of the model a new run starts from; a named model (``tiny``, ``smollm2-135m-instruct``)
+    becomes its local folder, a URL stays one (every node caches it)."""
+    from mlflow.tracking import MlflowClient
+
+    model_uri, model_dir = lineage.start_model(config, MlflowClient(), lineage.cache_root(config))
+    if model_dir.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model_dir)):
+        raise FileNotFoundError(
+            f"model.path={model_dir!r}: no such folder. Fix: name a folder that holds the model's "
+            "config.json, weights and tokenizer, a Hugging Face hub name, `tiny`, `smollm2-135m-instruct`, or an "
+            "MLflow reference (models:/<name>@<alias>)"
+        )
+    return model_uri, model_dir if is_remote(model_dir) else resolve_model_path(model_dir)
+
+
+def _new_record(
+    config: RLConfig,
+    algorithm: str,
+    experiment: str,
+    tags: dict,
+    flow_run_id: str | None,
+    model_uri: str,
+    model_dir: str,
+) -> tuple[Tracker, lineage.RunRecord]:
+    """A run's first attempt: pin its start model (and, in a lineage, its parent run and data cursor), then create
+    its MLflow run and write its record."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    parent = None
+    if config.trainer.lineage:
+        found = client.get_experiment_by_name(experiment)
+        parent = lineage.lineage_parent(client, found.experiment_id, config.trainer.lineage) if found else None
+    cursor = (
+        json.loads(parent.data.tags["rlflow.data_cursor"])
+        if parent and "rlflow.data_cursor" in parent.data.tags
+        else None
+    )
+    lineage_tags = {"rlflow.start_model": model_uri}
+    if parent:
+        lineage_tags["rlflow.parent_run_id"] = parent.info.run_id
+    tracker = Tracker(experiment, config.trainer.run_name, tags={**tags, **lineage_tags})
+    record = lineage.RunRecord(
+        run_name=config.trainer.run_name,
+        algorithm=algorithm,
+        lineage=config.trainer.lineage,
+        model_uri=model_uri,
+        model_dir=model_dir,
+        mlflow_run_id=tracker.run_id,
+        prefect_flow_run_id=flow_run_id,
+        parent_run_id=parent.info.run_id if parent else None,
+        data_cursor=cursor,
+    )
+    record.write(runs_root(config))
+    return tracker, record
