@@ -596,7 +596,7 @@ def test_resource_pool_manager_checks_the_cluster_and_its_mapping(ray_cluster):
 
 
 def test_placement_groups_are_ordered_by_node_ip(monkeypatch):
-    from rlworkers.single_controller.ray import base
+    from rlworkers.single_controller.ray import placement as base
 
     node_ips = {"node-a": "10.0.0.3", "node-b": "10.0.0.1", "node-c": "10.0.0.2"}
     monkeypatch.setattr(

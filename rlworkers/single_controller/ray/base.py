@@ -1,28 +1,26 @@
-"""The Ray backend: RayResourcePool (placement groups), RayClassWithInitArgs (actor factory), RayWorkerGroup.
+"""The Ray backend's core: RayClassWithInitArgs (actor factory) and RayWorkerGroup (one worker class's actors,
+its registered methods bound as distributed calls, time limits, restarts). ~500 lines because the group is one
+concept: placing, calling, recovering and verl's keywords all act on the same actors.
 
 Names and signatures follow ``verl.single_controller.ray`` so that a verl worker ports by changing imports.
-Pools can be split into disjoint ranges of bundles (``split_resource_pool``), merged (``merge_resource_pool``)
-and named per role (``ResourcePoolManager``, verl's trainer helper).
-Colocation (several roles in one actor) lives in ``colocate.py``.
+Placement groups: ``placement.py``; how a group travels to the task host: ``group_transport.py``; verl's pool
+helpers that no flow uses (split, merge, pools by role): ``verl_compat.py``; colocation (several roles in one
+actor): ``colocate.py``.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
-import hashlib
 import inspect
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import ray
 import torch
-from ray import cloudpickle
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
@@ -34,271 +32,11 @@ from rlworkers.single_controller.base.decorator import (
     collect_dp_compute_data_proto,
 )
 from rlworkers.single_controller.base.worker import RENDEZVOUS_KEY_ENV
-from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
+from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, WorkerGroup
 from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, get_with_rank
 from rlworkers.single_controller.futures import DataProtoFuture
-
-
-class RayResourcePool(ResourcePool):
-    """Worker slots on a Ray cluster: one placement group per entry of ``process_on_nodes``.
-
-    Each worker gets a bundle of ``cpus_per_worker * max_colocate_count`` CPUs (and one GPU if ``use_gpu``);
-    up to ``max_colocate_count`` worker groups may share the pool (each actor asks for its share).
-    Placement that cannot succeed raises ``PlacementError`` at once; placement that waits on busy resources
-    raises after ``placement_timeout_s``. Both name what was asked for and what the cluster has.
-    """
-
-    def __init__(
-        self,
-        process_on_nodes: list[int] | None = None,
-        use_gpu: bool = True,
-        name_prefix: str | None = None,
-        max_colocate_count: int = 10,
-        detached: bool = False,
-        accelerator_type: str | None = None,
-        cpus_per_worker: float = 1.0,
-        placement_timeout_s: float = 60.0,
-    ):
-        super().__init__(process_on_nodes, max_colocate_count)
-        self.use_gpu = use_gpu
-        self.name_prefix = name_prefix if name_prefix is not None else f"rlflow_{uuid.uuid4().hex[:6]}_"
-        self.detached = detached
-        self.accelerator_type = accelerator_type
-        self.cpus_per_worker = cpus_per_worker
-        self.placement_timeout_s = placement_timeout_s
-        self.pgs: list[PlacementGroup] | None = None
-
-    def bundle(self) -> dict[str, float]:
-        bundle = {"CPU": self.cpus_per_worker * self.max_colocate_count}
-        if self.use_gpu:
-            bundle["GPU"] = 1
-        if self.accelerator_type:
-            bundle[self.accelerator_type] = 1e-4
-        return bundle
-
-    def _check_placeable(self) -> None:
-        bundle = self.bundle()
-        totals = ray.cluster_resources()
-        wanted = {k: v * self.world_size for k, v in bundle.items()}
-        short = {k: v for k, v in wanted.items() if totals.get(k, 0) < v}
-        node_max = {}
-        for node in ray.nodes():
-            if node.get("Alive"):
-                for key, value in node.get("Resources", {}).items():
-                    node_max[key] = max(node_max.get(key, 0), value)
-        too_big = {k: v for k, v in bundle.items() if node_max.get(k, 0) < v}
-        if short or too_big:
-            raise PlacementError(
-                f"resource pool {self.store} cannot be placed: it asks for {wanted} in all "
-                f"({self.world_size} bundles of {bundle}); the cluster has {_resources(totals, wanted)} in all and "
-                f"at most {_resources(node_max, bundle)} on one node. Fix: lower max_colocate_count "
-                f"(now {self.max_colocate_count}) or cpus_per_worker (now {self.cpus_per_worker}), use fewer workers, "
-                f"pass use_gpu=False on CPU machines, or start Ray with more resources (ray.init(num_cpus=...))."
-            )
-
-    def get_placement_groups(
-        self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str = "cuda"
-    ) -> list[PlacementGroup]:
-        if self.pgs is not None:
-            return self.pgs
-        self._check_placeable()
-        lifetime = "detached" if self.detached else None
-        pgs = [
-            placement_group(
-                [self.bundle()] * count,
-                strategy=strategy,
-                lifetime=lifetime,
-                name=f"{name or self.name_prefix}group_{'_'.join(map(str, self.store))}:{idx}",
-            )
-            for idx, count in enumerate(self.store)
-        ]
-        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)
-        if len(ready) < len(pgs):
-            available = ray.available_resources()
-            for pg in pgs:
-                remove_placement_group(pg)
-            raise PlacementError(
-                f"resource pool {self.store} was not placed within {self.placement_timeout_s:.0f}s: "
-                f"it asks for {len(self.store)} placement group(s) of bundles {self.bundle()}; resources free now: "
-                f"{_resources(available, self.bundle())}. Other pools or actors hold the rest: shut them down, "
-                "or raise placement_timeout_s if they will finish."
-            )
-        self.pgs = sort_placement_group_by_node_ip(pgs)
-        return self.pgs
-
-    def bundle_slots(self) -> list[tuple[int, PlacementGroup, int]]:
-        """``(placement group index, placement group, bundle index)`` of each rank, in rank order."""
-        return [
-            (pg_idx, pg, bundle)
-            for pg_idx, pg in enumerate(self.get_placement_groups())
-            for bundle in range(pg.bundle_count)
-        ]
-
-    def remove(self) -> None:
-        """Release the placement groups (the pool can be placed again later)."""
-        for pg in self.pgs or []:
-            remove_placement_group(pg)
-        self.pgs = None
-
-
-def sort_placement_group_by_node_ip(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
-    """``pgs`` ordered by the IP of the node each one is on (all bundles of a group share a node).
-
-    Ranks follow this order, so RANK -> node stays the same across jobs and cluster restarts (a checkpoint saved
-    per rank on local disk is found again on resume). Groups on the same node keep their order.
-    """
-    node_ip = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-
-    def ip_of(pg: PlacementGroup) -> str:
-        return node_ip[placement_group_table(pg)["bundles_to_node_id"][0]]
-
-    return sorted(pgs, key=ip_of)
-
-
-class SubRayResourcePool(RayResourcePool):
-    """Bundles ``start_bundle_index .. start_bundle_index + subgroup_world_size`` (in rank order) of a placed
-    pool, made by ``split_resource_pool``: the parent's placement groups, shared, so ``remove`` belongs to the
-    parent."""
-
-    def __init__(
-        self, placement_groups: list[PlacementGroup], start_bundle_index: int, subgroup_world_size: int, **pool_options
-    ):
-        super().__init__(**pool_options)
-        self.pgs = placement_groups
-        self.start_bundle_index = start_bundle_index
-        self.subgroup_world_size = subgroup_world_size
-
-    @property
-    def world_size(self) -> int:
-        return self.subgroup_world_size
-
-    def bundle_slots(self) -> list[tuple[int, PlacementGroup, int]]:
-        start = self.start_bundle_index
-        return super().bundle_slots()[start : start + self.subgroup_world_size]
-
-    def remove(self) -> None:
-        raise ValueError(
-            f"resource pool {self.name_prefix!r} is split from another pool and shares its placement "
-            "groups: call remove() on the pool it was split from"
-        )
-
-
-def split_resource_pool(resource_pool: RayResourcePool, split_size: int | list[int]) -> list[SubRayResourcePool]:
-    """Consecutive, disjoint parts of ``resource_pool`` (placed now if it is not yet): ``split_size`` is the
-    size of every part (it must divide the pool's world size) or a list of sizes summing to it. A part can be
-    split again."""
-    world_size = resource_pool.world_size
-    if isinstance(split_size, int):
-        if split_size <= 0 or world_size % split_size:
-            raise ValueError(f"split_size={split_size} must divide the pool's world size {world_size}")
-        split_size = [split_size] * (world_size // split_size)
-    if sum(split_size) != world_size or min(split_size) <= 0:
-        raise ValueError(
-            f"split_size={split_size} must be positive sizes summing to the pool's world size {world_size}"
-        )
-    offset = resource_pool.start_bundle_index if isinstance(resource_pool, SubRayResourcePool) else 0
-    starts = offset + np.cumsum([0] + split_size[:-1])
-    return [
-        SubRayResourcePool(
-            placement_groups=resource_pool.get_placement_groups(),
-            start_bundle_index=int(start),
-            subgroup_world_size=size,
-            process_on_nodes=resource_pool.store,
-            use_gpu=resource_pool.use_gpu,
-            name_prefix=f"{resource_pool.name_prefix}_split_{i}",
-            max_colocate_count=resource_pool.max_colocate_count,
-            cpus_per_worker=resource_pool.cpus_per_worker,
-        )
-        for i, (start, size) in enumerate(zip(starts, split_size))
-    ]
-
-
-def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResourcePool:
-    """One pool over the placement groups of both (placed now if they are not yet): rp1's ranks, then rp2's."""
-    for option in ("use_gpu", "max_colocate_count", "cpus_per_worker", "detached"):
-        if getattr(rp1, option) != getattr(rp2, option):
-            raise ValueError(
-                f"cannot merge resource pools whose {option} differ ({getattr(rp1, option)} and "
-                f"{getattr(rp2, option)}): create them with the same {option}"
-            )
-    merged = RayResourcePool(
-        rp1.store + rp2.store,
-        use_gpu=rp1.use_gpu,
-        name_prefix=f"{rp1.name_prefix}_{rp2.name_prefix}",
-        max_colocate_count=rp1.max_colocate_count,
-        detached=rp1.detached,
-        cpus_per_worker=rp1.cpus_per_worker,
-    )
-    merged.pgs = rp1.get_placement_groups() + rp2.get_placement_groups()
-    return merged
-
-
-@dataclass
-class ResourcePoolManager:
-    """verl's trainer helper: named pools and the pool each role runs on.
-
-    ``resource_pool_spec`` maps a pool name to its ``process_on_nodes`` (``{"global_pool": [8, 8]}``),
-    ``mapping`` a role to a pool name. ``create_resource_pool()`` builds every pool (placed when a worker group
-    first uses it) after checking that the cluster has room for all of them together. ``use_gpu``,
-    ``max_colocate_count`` (verl: 3) and ``cpus_per_worker`` apply to every pool.
-    """
-
-    resource_pool_spec: dict[str, list[int]]
-    mapping: dict[Any, str]
-    resource_pool_dict: dict[str, RayResourcePool] = field(default_factory=dict)
-    use_gpu: bool = True
-    max_colocate_count: int = 3
-    cpus_per_worker: float = 1.0
-
-    def create_resource_pool(self) -> None:
-        if not self.resource_pool_spec:
-            raise ValueError("resource_pool_spec is empty: name at least one pool, e.g. {'global_pool': [8]}")
-        unknown = sorted(set(self.mapping.values()) - set(self.resource_pool_spec))
-        if unknown:
-            raise ValueError(
-                f"mapping names pools {unknown} that resource_pool_spec lacks (it has "
-                f"{sorted(self.resource_pool_spec)}): add them to resource_pool_spec"
-            )
-        for name, process_on_nodes in self.resource_pool_spec.items():
-            self.resource_pool_dict[name] = RayResourcePool(
-                process_on_nodes=process_on_nodes,
-                use_gpu=self.use_gpu,
-                name_prefix=name,
-                max_colocate_count=self.max_colocate_count,
-                cpus_per_worker=self.cpus_per_worker,
-            )
-        self._check_resource_available()
-
-    def get_resource_pool(self, role) -> RayResourcePool:
-        if role not in self.mapping:
-            raise KeyError(f"role {role!r} has no resource pool; mapping has roles {list(self.mapping)}")
-        if not self.resource_pool_dict:
-            raise ValueError("no resource pools yet: call create_resource_pool() first")
-        return self.resource_pool_dict[self.mapping[role]]
-
-    def get_n_gpus(self) -> int:
-        """Workers over all pools (one GPU each when the pools use GPUs)."""
-        return sum(sum(process_on_nodes) for process_on_nodes in self.resource_pool_spec.values())
-
-    def _check_resource_available(self) -> None:
-        """The cluster's free resources cover all pools together (each pool checks its own node fit when placed)."""
-        bundle = next(iter(self.resource_pool_dict.values())).bundle()
-        wanted = {key: value * self.get_n_gpus() for key, value in bundle.items()}
-        available = ray.available_resources()
-        if any(available.get(key, 0) < value for key, value in wanted.items()):
-            raise PlacementError(
-                f"resource pools {self.resource_pool_spec} need {wanted} together ({self.get_n_gpus()} bundles of "
-                f"{bundle}); the cluster has {_resources(available, wanted)} free. Fix: smaller pools, a lower "
-                f"max_colocate_count (now {self.max_colocate_count}) or cpus_per_worker (now {self.cpus_per_worker}), "
-                "or more resources in the cluster."
-            )
-
-
-def _placed(pg: PlacementGroup) -> bool:
-    """Every bundle of ``pg`` sits on a live node (Ray re-places the bundles of a lost node when it can)."""
-    table = placement_group_table(pg)
-    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
-    return table.get("state") == "CREATED" and set(table.get("bundles_to_node_id", {}).values()) <= alive
+from rlworkers.single_controller.ray.group_transport import reduce_group
+from rlworkers.single_controller.ray.placement import RayResourcePool, _placed, _resources
 
 
 def _published_rendezvous(rank_zero, key: str, cls_name: str, poll_s: float = 0.05) -> tuple[str, str]:
@@ -324,10 +62,6 @@ def _published_rendezvous(rank_zero, key: str, cls_name: str, poll_s: float = 0.
                     f"{cls_name}.__init__ finished without calling Worker.__init__, so rank 0 bound "
                     "no rendezvous store: call super().__init__() first in __init__"
                 )
-
-
-def _resources(available: dict, keys: dict) -> dict:
-    return {k: round(available.get(k, 0), 3) for k in keys}
 
 
 class RayClassWithInitArgs(ClassWithInitArgs):
@@ -455,34 +189,6 @@ def _check_verl_options(pool, use_gpu, device_name, master_addr, master_port, pr
             "nsight profiling (profile_steps, worker_nsight_options) is not supported; drop both "
             "arguments, or profile a worker with nsys through ray_cls_with_init.update_options"
         )
-
-
-_UNPICKLED_GROUPS: collections.OrderedDict[bytes, "RayWorkerGroup"] = collections.OrderedDict()
-_UNPICKLED_GROUPS_KEPT = 16  # distinct group states kept per process (the few groups of a run, and their restarts)
-_unpickled_groups_lock = threading.Lock()
-
-
-def _unpickle_group(cls: type, digest: bytes, payload: bytes) -> "RayWorkerGroup":
-    """The group pickled as ``payload`` (see ``RayWorkerGroup.__reduce__``): the one this process made from the
-    same bytes before, if it still keeps it."""
-    with _unpickled_groups_lock:
-        group = _UNPICKLED_GROUPS.get(digest)
-        if group is not None:
-            _UNPICKLED_GROUPS.move_to_end(digest)
-            return group
-    group = cls.__new__(cls)
-    group.__setstate__(cloudpickle.loads(payload))
-    with _unpickled_groups_lock:
-        _UNPICKLED_GROUPS[digest] = group
-        while len(_UNPICKLED_GROUPS) > _UNPICKLED_GROUPS_KEPT:
-            _UNPICKLED_GROUPS.popitem(last=False)
-    return group
-
-
-def _rebuild_group(cls: type, state: dict) -> "RayWorkerGroup":
-    group = cls.__new__(cls)
-    group.__setstate__(state)
-    return group
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -721,17 +427,8 @@ class RayWorkerGroup(WorkerGroup):
         # lets a group travel as an argument to a Prefect task running in another Ray process.
         return {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
 
-    def __reduce__(self):
-        # The state goes as pickled bytes with their digest: a process that gets the same state again (every task
-        # in a long-lived task host) reuses the group it unpickled then instead of deserializing each actor handle
-        # again (~0.6 ms for an actor group). A group is a handle to remote workers, so sharing one is like sharing
-        # Ray actor handles; a changed group (``restart``, ``set_call_timeout``) has other bytes, so a new entry.
-        # Under Ray Client (a ray:// controller) the handles must go through Ray Client's own pickler, which turns
-        # them into the cluster's handles: the state travels as is, and there is no cache.
-        if ray.util.client.ray.is_connected():
-            return _rebuild_group, (type(self), self.__getstate__())
-        payload = cloudpickle.dumps(self.__getstate__())
-        return _unpickle_group, (type(self), hashlib.blake2b(payload, digest_size=16).digest(), payload)
+    def __reduce__(self):  # see group_transport: cached per process, or through Ray Client's pickler
+        return reduce_group(self)
 
     def __setstate__(self, state: dict) -> None:
         bindings = state.pop("_bindings", [])
