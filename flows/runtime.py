@@ -2,6 +2,9 @@
 steps left (rewound by recovery, ``flows/recovery.py``), batches, per-step timing and metrics, validation and
 evaluation, checkpoints published as Prefect artifacts, the final model published to MLflow (and a lineage's
 promotion), and the workers released at the end. The flows themselves (``flows/grpo.py`` ...) stay the algorithm.
+
+Over 450 lines: one class, ``Run``, whose state (steps, groups, loader, tracker) every method reads; start-up,
+recovery, groups and rows live in their own modules.
 """
 
 from __future__ import annotations

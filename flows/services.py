@@ -25,6 +25,9 @@ password: Prefect's server through ``PREFECT_SERVER_API_AUTH_STRING`` (clients s
 MLflow's through its ``basic-auth`` app with that user as admin (clients send ``MLFLOW_TRACKING_USERNAME`` /
 ``MLFLOW_TRACKING_PASSWORD``). Health endpoints stay open. ``env.sh`` then derives the client variables from
 ``$RLFLOW_SERVER_AUTH`` and holds no secret itself.
+
+Over 450 lines: one concern, the process control of the two servers (start, health, reuse, stop, status) and the
+settings they start with (SQLite or PostgreSQL, artifacts, authentication).
 """
 
 from __future__ import annotations

@@ -63,6 +63,9 @@ threads, never import a module (transformers' lazy modules above all) while anot
 When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed.
 The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
 ``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
+
+Over 450 lines on purpose: one runner; the private Prefect names it needs are listed and checked in
+tests/test_prefect_internals.py.
 """
 
 from __future__ import annotations

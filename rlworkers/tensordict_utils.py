@@ -20,6 +20,9 @@ What is different, and why:
   NaN, containers recursively), by ``union_tensor_dict`` and ``assert_tensordict_eq``.
 * ``pad_to_divisor`` repeats rows through ``index_select_tensor_dict``, so jagged tensors of 3+ dims pad too;
   ``pop_keys`` checks every key before popping any; ``contiguous`` keeps the input's batch size.
+
+Over 450 lines on purpose: verl 0.9's ``tensordict_utils`` module, ported as one so that engine workers change
+only their imports.
 """
 
 from __future__ import annotations
