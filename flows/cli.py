@@ -140,7 +140,7 @@ def runs(
 def _print_champion_history(client, name: str) -> None:
     from mlflow.exceptions import MlflowException
 
-    from flows.lineage import champion_history
+    from flows.versions import champion_history
 
     try:
         moves = champion_history(client, name)
@@ -165,7 +165,8 @@ def promote(
     """Make a model version the lineage's champion by hand; the next run starts from it."""
     from mlflow.tracking import MlflowClient
 
-    from flows.lineage import ModelReferenceError, promote_by_hand
+    from flows.lineage import ModelReferenceError
+    from flows.versions import promote_by_hand
 
     use_services(mlflow=True)
     try:
@@ -186,7 +187,7 @@ def rollback(
     from mlflow.tracking import MlflowClient
 
     from flows.lineage import ModelReferenceError
-    from flows.lineage import rollback as roll_back
+    from flows.versions import rollback as roll_back
 
     use_services(mlflow=True)
     try:

@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.input import RunInput
 from pydantic import Field
 
-from flows import evaluation, lineage
+from flows import evaluation, lineage, versions
 from flows.tracking import artifact_key
 
 
@@ -29,7 +29,7 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     primary = gate.primary_set
     candidate = final[primary]
     start = (run.saved_results("start") or {}).get(primary)
-    champion, best = lineage.gate_baselines(
+    champion, best = versions.gate_baselines(
         client, name, trainer.promotion_alias, candidate, start, run.record.model_uri, reevaluate_with(run, primary)
     )
     decision = evaluation.gate(
@@ -53,7 +53,7 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
         pending = evaluation.decision_markdown(name, version, decision, primary, pending=True)
         decision, how = ask_approval(run, name, version, decision, pending)
         markdown = evaluation.decision_markdown(name, version, decision, primary)
-    lineage.record_decision(client, name, version, trainer.promotion_alias, decision, final, markdown, how)
+    versions.record_decision(client, name, version, trainer.promotion_alias, decision, final, markdown, how)
     create_markdown_artifact(
         key=f"{artifact_key(trainer.run_name)}-promotion",
         markdown=markdown,
@@ -82,7 +82,7 @@ def reevaluate_with(run, set_name: str):
         )
         uri = f"models:/{version.name}/{version.version}"
         results = run.evaluate_model(uri, eval_set, label=f"champion_v{version.version}")
-        lineage.tag_results(run.tracker.client, version.name, version.version, results, run.tracker.run_id)
+        versions.tag_results(run.tracker.client, version.name, version.version, results, run.tracker.run_id)
         return results
 
     return reevaluate

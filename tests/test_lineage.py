@@ -221,7 +221,7 @@ def test_promote_by_hand_and_rollback_move_the_champion_with_their_reasons(env, 
     """v2 of the fixture's lineage was rejected by the gate: a person promotes it anyway, then rolls back to the
     champion before it; rolling back again goes further back, never forth to v2. Every move is in the history
     `rlflow runs --lineage` prints. (Earlier tests may have moved the champion: the test starts from whatever it is.)"""
-    from flows.lineage import champion_history
+    from flows.versions import champion_history
 
     lineage, _ = lineage_runs
     client = MlflowClient()

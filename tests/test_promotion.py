@@ -29,7 +29,7 @@ from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow, rlflow_in_background
 
 from flows.evaluation import EvalResults
-from flows.lineage import champion_history, gate_baselines, version_results
+from flows.versions import champion_history, gate_baselines, version_results
 
 pytestmark = pytest.mark.slow
 
