@@ -74,6 +74,7 @@ import functools
 import logging
 import pickle
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -152,6 +153,32 @@ def _completed(value: Any) -> State:
     from prefect.states import Completed
 
     return Completed(data=ResultRecord.model_construct(metadata=ResultRecordMetadata(), result=value))
+
+
+RAY_CLIENT_CONNECT_ATTEMPTS = 3
+
+
+def connect_ray(address: str, init_kwargs: dict[str, Any], log: logging.Logger) -> None:
+    """``ray.init(address, **init_kwargs)``. A Ray Client server (``ray://``) may fail to start a client's session
+    (its proxier starts a server process per client; seen on a loaded machine: "Initialization failure from server",
+    the new process gone before it answered): tried again, 2 s apart, ``RAY_CLIENT_CONNECT_ATTEMPTS`` times in all."""
+    import ray
+
+    for attempt in range(1, RAY_CLIENT_CONNECT_ATTEMPTS + 1):
+        try:
+            ray.init(address, **init_kwargs)
+            return
+        except ConnectionAbortedError as error:  # Ray Client disconnects before raising it: a new try starts clean
+            if not address.startswith("ray://") or attempt == RAY_CLIENT_CONNECT_ATTEMPTS:
+                raise
+            log.warning(
+                "Ray Client at %s could not start a session (attempt %d of %d): %s; trying again",
+                address,
+                attempt,
+                RAY_CLIENT_CONNECT_ATTEMPTS,
+                str(error).splitlines()[0],
+            )
+            time.sleep(2)
 
 
 class HandOff:
@@ -564,7 +591,7 @@ class WarmRayTaskRunner(RayTaskRunner):
             # no address: "local" starts a Ray of its own; Ray's default (None) would join a cluster that `ray start`
             # left running on this machine, or one named by a stale /tmp/ray/ray_current_cluster, and then refuse
             # num_cpus ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")
-            ray.init(address or "local", **init_kwargs)
+            connect_ray(address or "local", init_kwargs, self.logger)
             self._owns_ray = True  # RayTaskRunner.__exit__ shuts down the Ray it started
         self.host()
 

@@ -33,15 +33,13 @@ import json
 import logging
 import os
 import re
-import uuid
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-from rlworkers.storage import basename, filesystem, join_path
+from rlworkers.storage import basename, filesystem, join_path, write_bytes_atomic
 
 __all__ = [
     "CorruptCheckpointError",
@@ -110,27 +108,6 @@ def _step_of(step_dir: str | os.PathLike) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    fs, p = filesystem(path)
-    parent, name = p.rsplit("/", 1)
-    if isinstance(fs, LocalFileSystem):
-        # Temp file + fsync + rename: a reader sees the old file or the whole new one, never a torn write.
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return
-    # Object stores have no rename (mv = copy + delete); a single PUT is atomic per object.
-    fs.pipe_file(p, data)
-
-
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` (any fsspec path), atomically where the filesystem can rename.
 
@@ -144,7 +121,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
             f"cannot write {os.fspath(path)} as JSON: {exc}; convert the value to plain "
             "dicts/lists/str/numbers first (e.g. tensor.item(), str(path))"
         ) from exc
-    _write_bytes_atomic(path, text.encode("utf-8"))
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -258,7 +235,7 @@ def commit_checkpoint(
         data = json.dumps(manifest, indent=2).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint metadata for {step_dir} is not JSON-serialisable: {exc}") from exc
-    _write_bytes_atomic(join_path(step_dir, MANIFEST_NAME), data)  # the commit point
+    write_bytes_atomic(join_path(step_dir, MANIFEST_NAME), data)  # the commit point
     logger.info(
         "committed checkpoint %s (%d files, %d bytes)", step_dir, len(files), sum(f["size"] for f in files.values())
     )

@@ -18,11 +18,13 @@ import hashlib
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 __all__ = [
     "is_remote",
@@ -146,3 +148,26 @@ def cached_copy(path: str | os.PathLike, cache_root: str | os.PathLike | None = 
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return str(target)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` (any fsspec path) so that a reader, in this process or another, sees the old file or
+    the whole new one, never a torn write."""
+    fs, p = filesystem(path)
+    parent, name = p.rsplit("/", 1)
+    if isinstance(fs, LocalFileSystem):
+        # Temp file + fsync + rename: a reader sees the old file or the whole new one, never a torn write.
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return
+    # Object stores have no rename (mv = copy + delete); a single PUT is atomic per object.
+    fs.pipe_file(p, data)

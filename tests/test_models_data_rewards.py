@@ -151,6 +151,32 @@ def test_ensure_addition_dataset_regenerates_on_new_params(tmp_path):
     assert len(load_prompt_dataset(second["train"], required_columns=("answer",))) == 30
 
 
+def test_the_dataset_is_readable_whole_while_another_run_writes_it_again(tmp_path):
+    """Two runs that start at once on one runs_dir both write the built-in task's folder; the one that reads while
+    the other writes must never see a torn file (seen in CI: two lineages at once, one failing on its data)."""
+    import threading
+
+    paths = make_addition_dataset(tmp_path)
+    writing, torn = True, []
+
+    def write_again():
+        while writing:
+            make_addition_dataset(tmp_path)
+
+    writer = threading.Thread(target=write_again)
+    writer.start()
+    try:
+        for _ in range(200):
+            try:
+                assert pq.read_table(paths["train"]).num_rows == 2000
+            except Exception as error:  # ArrowInvalid from a half-written file
+                torn.append(repr(error)[:80])
+    finally:
+        writing = False
+        writer.join()
+    assert not torn, f"{len(torn)} of 200 reads saw a torn file: {torn[0]}"
+
+
 def test_jsonl_bad_line_names_file_and_line(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "1+1="}\n\n{"prompt": "2+2=\n')

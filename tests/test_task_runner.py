@@ -416,3 +416,34 @@ def test_a_task_starts_when_the_one_before_it_ends_even_with_the_flow_process_pa
     finally:
         if flow_process.poll() is None:
             flow_process.kill()
+
+
+def test_a_ray_client_session_that_fails_to_start_is_tried_again(monkeypatch):
+    """Seen in CI: the Ray Client server's proxier lost the process it started for a new client ("Initialization
+    failure from server"). The connection is tried again (Ray Client disconnects before raising), a few times."""
+    import logging
+
+    import ray
+
+    from flows import task_runner
+
+    calls, failures = [], iter([True, True, False])
+
+    def init(address, **kwargs):
+        calls.append(address)
+        if next(failures, True):
+            raise ConnectionAbortedError("Initialization failure from server:\npsutil.ZombieProcess")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(task_runner.time, "sleep", lambda seconds: None)
+    log = logging.getLogger("test")
+    task_runner.connect_ray("ray://head:10001", {}, log)
+    assert calls == ["ray://head:10001"] * 3  # two failures, then connected
+    calls.clear()
+    with pytest.raises(ConnectionAbortedError):
+        task_runner.connect_ray("ray://head:10001", {}, log)  # every attempt fails: the error, not a hang
+    assert len(calls) == task_runner.RAY_CLIENT_CONNECT_ATTEMPTS
+    calls.clear()
+    with pytest.raises(ConnectionAbortedError):
+        task_runner.connect_ray("head:6379", {}, log)  # not Ray Client: no retry
+    assert calls == ["head:6379"]

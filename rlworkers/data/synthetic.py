@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlworkers.storage import filesystem, join_path
+from rlworkers.storage import filesystem, join_path, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +126,17 @@ def make_addition_dataset(
         num_train=num_train, num_val=num_val, max_digits=max_digits, seed=seed, prompt_format=prompt_format
     )
     paths = {}
+    # Each file whole or not at all, meta.json last: runs that start at once on one runs_dir (two lineages) may
+    # write the same folder while the other reads it.
     for split, split_rows in rows.items():
         paths[split] = join_path(out_dir, SPLIT_FILES[split])
-        with fsspec.open(paths[split], "wb") as f:
-            pq.write_table(pa.Table.from_pylist(split_rows), f)
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(split_rows), buffer)
+        write_bytes_atomic(paths[split], buffer.getvalue().to_pybytes())
     meta = {"num_train": num_train, "num_val": num_val, "max_digits": max_digits, "seed": seed}
     if prompt_format != "plain":  # plain folders written before the formats existed stay valid
         meta["prompt_format"] = prompt_format
-    with fsspec.open(join_path(out_dir, META_FILE), "w") as f:
-        json.dump(meta, f)
+    write_bytes_atomic(join_path(out_dir, META_FILE), json.dumps(meta).encode())
     logger.info("wrote addition dataset (%d train, %d validation) to %s", num_train, num_val, out_dir)
     return paths
 
