@@ -118,6 +118,8 @@ class ServiceConfig(BaseModel):
         user, _, password = (value.get_secret_value() if value else ":").partition(":")
         if value is not None and not (user and password):
             raise ValueError("auth (RLFLOW_SERVER_AUTH / --auth) must be user:password, both non-empty")
+        if value is not None and len(password) < 12:  # MLflow refuses a shorter admin password at start-up
+            raise ValueError("auth (RLFLOW_SERVER_AUTH / --auth): the password needs at least 12 characters")
         return value
 
     @property

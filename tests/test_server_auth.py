@@ -65,6 +65,17 @@ def train(guarded, tmp_path: Path, extra_env: dict[str, str], source_env_file: b
     return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def test_bad_credentials_are_refused_before_any_server_starts(tmp_path):
+    for auth, problem in (("team", "must be user:password"), ("team:short", "at least 12 characters")):
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "server", "up", "--state-dir", str(tmp_path)],
+            cwd=ROOT, env={**os.environ, "RLFLOW_SERVER_AUTH": auth, "COLUMNS": "300"},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2 and problem in done.stdout + done.stderr, done.stdout + done.stderr
+        assert not (tmp_path / "services.json").exists()
+
+
 def test_strangers_are_refused_and_env_sh_holds_no_secret(guarded):
     prefect, mlflow = guarded["urls"]["PREFECT_API_URL"], guarded["urls"]["MLFLOW_TRACKING_URI"]
     search = f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=1"
