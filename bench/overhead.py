@@ -181,7 +181,7 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
 
                     @flow(name="overhead-bench-grpo", persist_result=False, task_runner=runner())
                     def grpo_steps() -> list[dict]:
-                        with remote_options(num_cpus=0, max_retries=0):  # as Run.training() submits the stages
+                        with remote_options(num_cpus=0, max_retries=0):  # stock tasks ask no CPU, as the host
                             return [
                                 grpo_step(groups, p, algorithm, s, lambda stage_task, *args: stage_task.submit(*args))
                                 for s, p in enumerate(prompts)

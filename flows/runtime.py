@@ -208,25 +208,20 @@ class Run:
         """Around a flow's loop: validate a fresh run first; at the end publish the final model; always release the
         workers and close the MLflow run (FAILED on an exception, which then ends the flow run Failed).
 
-        Stage tasks ask Ray for no CPU: they only call the worker groups, whose placement groups hold the
-        resources, so a cluster that lost a node still has room to run them. Ray does not re-run a stage task
-        whose node died (``max_retries=0``): ``recover`` decides what to redo. (On ``WarmRayTaskRunner`` the tasks
-        run in its host actor, which asks for no resources and gets this process's service and object-store
-        settings from ``host_env``.)"""
-        from prefect_ray.context import remote_options
-
+        Stage tasks run in the task runner's host actor (flows/task_runner.py), which asks Ray for no CPU: they
+        only call the worker groups, whose placement groups hold the resources, so a cluster that lost a node still
+        has room to run them. Ray does not re-run a stage task that failed: ``recover`` decides what to redo."""
         status = "FAILED"
         try:
-            with remote_options(num_cpus=0, max_retries=0):
-                while self.start_step == 1 and not (0 in self.val_scores and self.saved_results("start")):
-                    try:
-                        if 0 not in self.val_scores:
-                            self.validate(step=0)
-                        self.evaluate(0)
-                    except Exception as error:
-                        recover(self, 0, error)
-                yield
-                self.publish()
+            while self.start_step == 1 and not (0 in self.val_scores and self.saved_results("start")):
+                try:
+                    if 0 not in self.val_scores:
+                        self.validate(step=0)
+                    self.evaluate(0)
+                except Exception as error:
+                    recover(self, 0, error)
+            yield
+            self.publish()
             status = "FINISHED"
         finally:
             self.close(status)

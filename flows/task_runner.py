@@ -1,9 +1,9 @@
-"""``WarmRayTaskRunner``: prefect-ray's ``RayTaskRunner`` with its tasks run in one long-lived Ray actor.
+"""``WarmRayTaskRunner``: a Prefect task runner that runs every task of a flow run in one long-lived Ray actor.
 
-Every RL stage stays a Prefect task on a Ray task runner: its task run, states, name, logs and retries are Prefect's
-own (``run_task_sync`` runs it, as in prefect-ray), and a task's result is a Ray ``ObjectRef`` the flow's future
-wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self-contained patch to
-``prefect_ray/task_runners.py``):
+It implements Prefect's public ``TaskRunner`` contract (``submit``, ``duplicate``, enter/exit). Every RL stage stays a
+Prefect task: its task run, states, name, logs and retries are Prefect's own (Prefect's ``run_task_sync`` runs it),
+and a task's result is a Ray ``ObjectRef`` that the flow's future (prefect-ray's ``PrefectRayFuture``) wraps. It began
+as prefect-ray 0.6.0's ``RayTaskRunner`` (still the baseline of bench/overhead.py); what it does differently, and why:
 
 1. **One remote actor instead of one remote function per submit.** Stock ``submit`` wraps ``_run_prefect_task`` in a
    new ``ray.remote`` each time: Ray exports it to the GCS again, gives it a new scheduling class and leases a
@@ -42,12 +42,12 @@ wraps. What changes relative to prefect-ray 0.6.0, and why (each point is a self
    flow as the Ray result). The host keeps a result only while tasks wait for it; one that comes later reads it
    from Ray's store. A result is handed on as soon as the upstream task's function returns it, while Prefect's
    engine records the upstream's Completed state: the next task starts meanwhile (a few ms sooner per hand-off here;
-   the upstream's completion hooks, if it has any, run beside it). The waiting itself happens where Prefect's engine
-   waits for upstream futures, in ``_resolve_parameters`` (``_HandOffEngine``): the task run is created and Pending
-   while its upstream runs, as with Prefect's own runners, so only the engine's steps from Pending to Running come
-   between the upstream's end and this task's start (a few ms less per GRPO step here). It starts once the upstream's
-   function has started, not before: the host's tasks share one GIL, and five engines starting beside the step's
-   first task would delay it.
+   the upstream's completion hooks, if it has any, run beside it). In the host a ``HandOff`` becomes a
+   ``HandedOffFuture``, which Prefect's engine waits for as for any upstream future: the task run is created and
+   Pending while its upstream runs, as with Prefect's own runners, so only the engine's steps from Pending to Running
+   come between the upstream's end and this task's start (a few ms less per GRPO step here). It starts once the
+   upstream's function has started, not before: the host's tasks share one GIL, and five engines starting beside the
+   step's first task would delay it.
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
@@ -64,8 +64,8 @@ When the flow run's task runner exits, the host sends the logs and state events 
 The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
 ``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
 
-Over 450 lines on purpose: one runner; the private Prefect names it needs are listed and checked in
-tests/test_prefect_internals.py.
+Over 450 lines on purpose: one runner. The Prefect names it needs beyond the public contract are used only through
+flows/prefect_internals.py, which lists and checks them.
 """
 
 from __future__ import annotations
@@ -76,22 +76,20 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 from uuid import uuid4
 
-from prefect._flow_run_suspension import raise_if_flow_run_suspension_requested
 from prefect.client.schemas.objects import RunInput
 from prefect.futures import PrefectFuture
 from prefect.states import State
-from prefect.task_engine import SyncTaskRunEngine
 from prefect.task_runners import TaskRunner
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
-from prefect_ray import RayTaskRunner
 from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 from ray import cloudpickle
+
+from flows import prefect_internals
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
 FINISHED_KEPT = 4096  # task runs the host remembers as finished (a later task reads their results from Ray's store)
@@ -101,33 +99,26 @@ _last_flow_run: list = [(None, None, {})]  # [(FlowRunContext, its flow run's st
 
 
 def serialize_context_once(asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``prefect.context.serialize_context`` (prefect 3.7.7, same keys) with the settings serialized once per
+    """``prefect.context.serialize_context(asset_ctx_kwargs)`` with the settings serialized once per
     ``SettingsContext``: it is immutable, and dumping every setting (secrets handled) is most of what a stock
     submit costs (~30 ms here). The flow run context is serialized again only when it or its flow run's state
     changed (a state change replaces the state object; nothing else in it changes while the flow's body runs)."""
-    from prefect import context as prefect_context
+    from prefect.context import FlowRunContext, SettingsContext
 
-    settings_context = prefect_context.SettingsContext.get()
+    settings_context = SettingsContext.get()
     settings = _last_settings[0]
     if settings_context is not None and settings[0] is not settings_context:
         settings = _last_settings[0] = (settings_context, settings_context.serialize())
-    flow_run_context = prefect_context.EngineContext.get()
+    flow_run_context = FlowRunContext.get()
     flow_run = _last_flow_run[0]
     state = flow_run_context.flow_run.state if flow_run_context and flow_run_context.flow_run else None
     if flow_run_context is not None and (flow_run[0] is not flow_run_context or flow_run[1] is not state):
         flow_run = _last_flow_run[0] = (flow_run_context, state, flow_run_context.serialize())
-    task_run_context = prefect_context.TaskRunContext.get()
-    tags_context = prefect_context.TagsContext.get()
-    deployment_id = prefect_context._deployment_id.get()
-    return {
-        "flow_run_context": flow_run[2] if flow_run_context is not None else {},
-        "task_run_context": task_run_context.serialize() if task_run_context else {},
-        "tags_context": tags_context.serialize() if tags_context else {},
-        "settings_context": settings[1] if settings_context is not None else {},
-        "asset_context": prefect_context.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize(),
-        "deployment_id": str(deployment_id) if deployment_id else None,
-        "deployment_parameters": prefect_context._deployment_parameters.get(),
-    }
+    return prefect_internals.serialize_context_reusing(
+        settings if settings_context is not None else None,
+        (flow_run[0], flow_run[2]) if flow_run_context is not None else None,
+        asset_ctx_kwargs,
+    )
 
 
 def _plain_console_logging() -> None:
@@ -144,15 +135,6 @@ def _plain_console_logging() -> None:
         plain.setFormatter(handler.formatter)
         root.removeHandler(handler)
         root.addHandler(plain)
-
-
-def _completed(value: Any) -> State:
-    """A Completed state whose result is ``value``, held as Prefect's engine holds one (a ``ResultRecord``: a task that
-    returned None has a result too)."""
-    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
-    from prefect.states import Completed
-
-    return Completed(data=ResultRecord.model_construct(metadata=ResultRecordMetadata(), result=value))
 
 
 RAY_CLIENT_CONNECT_ATTEMPTS = 3
@@ -213,24 +195,6 @@ class _Waiters:
         self.payload: bytes | None = None  # None once done: the result is in Ray's store only (or the task raised)
 
 
-@dataclass
-class _HandOffEngine(SyncTaskRunEngine):
-    """Prefect's engine for a sync task run, taking the results of the ``HandOff``s in its parameters where it
-    resolves futures (``take_hand_offs``): once the task run exists, Pending, before it turns Running."""
-
-    take_hand_offs: Callable[[Any], Any] | None = None
-
-    def _resolve_parameters(self):
-        if self.parameters and self.take_hand_offs and not getattr(self, "_parameters_resolved", False):
-            self.parameters = self.take_hand_offs(self.parameters)
-        super()._resolve_parameters()
-
-    def _wait_for_dependencies(self):
-        if self.wait_for and self.take_hand_offs:
-            self.wait_for = self.take_hand_offs(self.wait_for)  # values, or the final states of failed upstreams
-        super()._wait_for_dependencies()
-
-
 class TaskHost:
     """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
 
@@ -276,28 +240,29 @@ class TaskHost:
     ) -> Any:
         """Run ``task`` with Prefect's engine, as prefect-ray's ``_run_prefect_task`` does, but with the references in
         ``parameters`` replaced by the values Ray resolved (``upstream_values``, in the order of ``upstream_refs``) and
-        each ``HandOff`` by its task's result, and returning the task's value when it completed, its final state
-        otherwise (points 5 to 7)."""
+        each ``HandOff`` by a ``HandedOffFuture`` that the engine resolves, and returning the task's value when it
+        completed, its final state otherwise (points 5 to 7)."""
         import ray
         from prefect.utilities.collections import visit_collection
 
         hand_offs = self._register_hand_offs([parameters, kwargs.get("wait_for")])
         resolved = dict(zip(upstream_refs, upstream_values))
-        parameters = visit_collection(
-            parameters,
-            visit_fn=lambda expr: resolved.get(expr, expr) if isinstance(expr, ray.ObjectRef) else expr,
-            return_data=True,
-        )
+        futures = {task_run_id: HandedOffFuture(self, entry) for task_run_id, entry in hand_offs.items()}
+
+        def resolve(expr: Any) -> Any:
+            if isinstance(expr, ray.ObjectRef):
+                return resolved.get(expr, expr)
+            return futures[expr.task_run_id] if isinstance(expr, HandOff) else expr
+
+        parameters = visit_collection(parameters, visit_fn=resolve, return_data=True)
+        if kwargs.get("wait_for"):
+            kwargs["wait_for"] = visit_collection(kwargs["wait_for"], visit_fn=resolve, return_data=True)
         early: list[bytes] = []  # the result, pickled when the task's function returned it, if tasks waited then
         try:
-            if task.isasync or task.isgenerator:
-                parameters, take_hand_offs = self._take_hand_offs(parameters, hand_offs), None
-                kwargs["wait_for"] = self._take_hand_offs(kwargs.get("wait_for"), hand_offs)
-            else:
+            if not (task.isasync or task.isgenerator):
                 self._wait_for_upstream_starts(hand_offs)
                 task = self._handing_over_on_return(task, task_run_id, early)
-                take_hand_offs = functools.partial(self._take_hand_offs, hand_offs=hand_offs)
-            out = self._run_task(task, task_run_id, parameters, context, settings, flow_run, take_hand_offs, **kwargs)
+            out = self._run_task(task, task_run_id, parameters, context, settings, flow_run, **kwargs)
         except BaseException:
             self._hand_over(task_run_id, None)  # the waiting tasks read the error from Ray's store
             raise
@@ -339,74 +304,57 @@ class TaskHost:
         task.fn = fn_then_hand_over
         return task
 
-    def _run_task(self, task, task_run_id, parameters, context, settings, flow_run, take_hand_offs, **kwargs) -> Any:
+    def _run_task(self, task, task_run_id, parameters, context, settings, flow_run, **kwargs) -> Any:
+        """Prefect's ``run_task_sync`` / ``run_task_async``, in the settings of ``settings`` and with the host's client;
+        the task's value when it completed, its final state otherwise."""
         import asyncio
 
-        from prefect._internal.result_records import ResultRecord
-        from prefect.context import SyncClientContext
-        from prefect.task_engine import run_task_async
+        from prefect.task_engine import run_task_async, run_task_sync
 
         context = {**context, "flow_run_context": self._flow_run_context(*flow_run)}
         run = {"task": task, "task_run_id": task_run_id, "parameters": parameters, "context": context, **kwargs}
-        cached = self._settings_context(*settings)
-        with cached.model_construct(profile=cached.profile, settings=cached.settings):  # one context per task
-            client = self._client(cached.settings.api.url or "")
-            with SyncClientContext.model_construct(client=client):
-                if task.isasync:
-                    state = asyncio.run(run_task_async(**run, return_type="state"))
-                else:
-                    state = _run_task_sync(**run, take_hand_offs=take_hand_offs)
-        if state.is_completed() and isinstance(state.data, ResultRecord):
-            return state.data.result
-        return state
+        settings_context = self._settings_context(*settings)
+        with prefect_internals.task_contexts(settings_context, self._client(settings_context.settings.api.url or "")):
+            if task.isasync:
+                state = asyncio.run(run_task_async(**run, return_type="state"))
+            else:
+                state = run_task_sync(**run, return_type="state")
+        value = prefect_internals.completed_value(state)
+        return value[0] if value is not None else state
 
     def _register_hand_offs(self, expr: Any) -> dict[Any, list]:
         """The ``HandOff``s in ``expr`` (a task's parameters and ``wait_for``), registered as waited for here: task
         run id -> [HandOff, its ``_Waiters`` (None: its task finished before this one came, its result is in Ray's
-        store), its result once taken (a 1-tuple)]."""
+        store, or this task took it already)]."""
         hand_offs = {}
         with self._lock:
             for task_run_id, hand_off in _hand_offs_in(expr).items():
                 if task_run_id in self._finished and task_run_id not in self._waiters:
-                    hand_offs[task_run_id] = [hand_off, None, None]
+                    hand_offs[task_run_id] = [hand_off, None]
                     continue
                 waiter = self._waiters.setdefault(task_run_id, _Waiters())
                 waiter.count += 1
                 if task_run_id in self._running:
                     waiter.started.set()
-                hand_offs[task_run_id] = [hand_off, waiter, None]
+                hand_offs[task_run_id] = [hand_off, waiter]
         return hand_offs
 
     def _wait_for_upstream_starts(self, hand_offs: dict[Any, list]) -> None:
         """Wait until the function of every upstream task run here has started (or its task ended): this task's
         engine starts its run meanwhile, not while the upstream's engine starts (they share the host's GIL)."""
-        for hand_off, waiter, _ in hand_offs.values():
+        for hand_off, waiter in hand_offs.values():
             if waiter is not None:
                 _wait_until(waiter.started, hand_off.ref)
 
-    def _take_hand_offs(self, expr: Any, hand_offs: dict[Any, list]) -> Any:
-        """``expr`` (a task's parameters or ``wait_for``) with each ``HandOff`` replaced by its task's result: waited
-        for here, or read from Ray's store when its task finished before this one came."""
-        import ray
-        from prefect.utilities.collections import visit_collection
-
-        if not hand_offs:
-            return expr
-        for task_run_id in _hand_offs_in(expr):
-            entry = hand_offs[task_run_id]
-            hand_off, waiter, taken = entry
-            if taken is not None:
-                continue
-            if waiter is not None:
-                _wait_until(waiter.done, hand_off.ref)
-            payload = waiter.payload if waiter is not None and waiter.done.is_set() else None
-            self._release({task_run_id: entry})
-            entry[2] = (pickle.loads(payload) if payload is not None else ray.get(hand_off.ref),)
-        return visit_collection(
-            expr,
-            visit_fn=lambda e: hand_offs[e.task_run_id][2][0] if isinstance(e, HandOff) else e,
-            return_data=True,
-        )
+    def take_hand_off(self, entry: list) -> bytes | None:
+        """Wait for the result of a hand-off (an entry of ``_register_hand_offs``) and stop waiting for it: its
+        pickled result, or None when its task finished before this one came or raised (then it is in Ray's store)."""
+        hand_off, waiter = entry
+        if waiter is not None:
+            _wait_until(waiter.done, hand_off.ref)
+        payload = waiter.payload if waiter is not None and waiter.done.is_set() else None
+        self._release({hand_off.task_run_id: entry})
+        return payload
 
     def _release(self, hand_offs: dict[Any, list]) -> None:
         """No longer wait for these hand-offs (each released once)."""
@@ -477,20 +425,6 @@ class TaskHost:
             return self._clients[api_url]
 
 
-def _run_task_sync(task, task_run_id, parameters, context, take_hand_offs, wait_for=None, dependencies=None) -> State:
-    """``prefect.task_engine.run_task_sync`` (prefect 3.7.7) with ``_HandOffEngine``; returns the final state."""
-    engine = _HandOffEngine(
-        task=task, parameters=parameters, wait_for=wait_for, context=context, take_hand_offs=take_hand_offs
-    )
-    with engine.start(task_run_id=task_run_id, dependencies=dependencies):
-        while engine.is_running():
-            engine.wait_until_ready()
-            with engine.asset_context(), engine.run_context(), engine.transaction_context() as txn:
-                engine.call_task_fn(txn)
-            raise_if_flow_run_suspension_requested()
-    return engine.state
-
-
 def _wait_until(event: threading.Event, ref) -> None:
     """Wait for ``event`` of an upstream task run in the host, or until its Ray result ``ref`` exists: an upstream
     whose call failed in Ray before it ran here never sets it."""
@@ -525,7 +459,7 @@ class HostFuture(PrefectRayFuture):
             return
         except Exception as error:
             out = run_coro_as_sync(exception_to_crashed_state(error))
-        self._final_state = out if isinstance(out, State) else _completed(out)
+        self._settle(out)
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
         import ray
@@ -536,12 +470,38 @@ class HostFuture(PrefectRayFuture):
             raise TimeoutError(f"Task run {self.task_run_id} did not complete within {timeout} seconds") from error
         if not isinstance(out, State):
             return out
-        self._final_state = out
+        self._settle(out)
         return super().result(timeout, raise_on_failure)
 
+    def _settle(self, out: Any) -> None:
+        """Keep the final state of what the task sent back: its value (Completed) or its final state."""
+        state = out if isinstance(out, State) else prefect_internals.completed_state(out)
+        prefect_internals.set_final_state(self, state)
 
-class WarmRayTaskRunner(RayTaskRunner):
-    """``RayTaskRunner`` whose tasks run in a long-lived ``TaskHost`` actor (see the module docstring)."""
+
+class HandedOffFuture(HostFuture):
+    """In a task's parameters or ``wait_for`` in the host: a ``HandOff``, the future of an upstream task of the same
+    host. Prefect's engine resolves it as any upstream future, while this task run is Pending: ``wait`` waits for
+    the upstream's hand-over and unpickles this task's own copy of its result, or reads the result (a value, or the
+    upstream's final state) from Ray's store when the upstream finished before this task came (point 7)."""
+
+    def __init__(self, host: TaskHost, entry: list):
+        super().__init__(task_run_id=entry[0].task_run_id, wrapped_future=entry[0].ref)
+        self._host, self._entry, self._taken = host, entry, False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._taken:
+            return
+        self._taken = True
+        payload = self._host.take_hand_off(self._entry)
+        if payload is None:
+            super().wait(timeout)
+            return
+        self._settle(pickle.loads(payload))
+
+
+class WarmRayTaskRunner(TaskRunner[HostFuture]):
+    """A Prefect task runner whose tasks run in a long-lived ``TaskHost`` Ray actor (see the module docstring)."""
 
     def __init__(
         self,
@@ -553,8 +513,12 @@ class WarmRayTaskRunner(RayTaskRunner):
         """``host_env``: the environment variables the task host gets, computed when it starts (in the flow's
         process, so they are that process's values then, not when the runner was built). ``preload``: modules the
         host imports as soon as it starts (where the tasks are defined), so that the first task does not wait for
-        them."""
-        super().__init__(address=address, init_kwargs=init_kwargs)
+        them. ``address`` and ``init_kwargs`` (for ``ray.init``, namespace "prefect" unless given) as prefect-ray's
+        ``RayTaskRunner`` takes them."""
+        super().__init__()
+        self.address = address
+        self.init_kwargs = {"namespace": "prefect", **(init_kwargs or {})}
+        self._owns_ray = False  # whether this runner started (or connected) Ray, and so shuts it down at its exit
         self.host_env = host_env
         self.preload = tuple(preload)
         self._host = None
@@ -566,15 +530,17 @@ class WarmRayTaskRunner(RayTaskRunner):
         return type(self)(self.address, self.init_kwargs, self.host_env, self.preload)
 
     def __eq__(self, other: object) -> bool:
-        same = (getattr(other, "host_env", None), getattr(other, "preload", None)) == (self.host_env, self.preload)
-        return super().__eq__(other) and same
+        settings = (self.address, self.init_kwargs, self.host_env, self.preload)
+        return isinstance(other, WarmRayTaskRunner) and (
+            (other.address, other.init_kwargs, other.host_env, other.preload) == settings
+        )
 
     def __reduce__(self):  # it travels inside the flow, in every task's context: as an unstarted copy
         return type(self), (self.address, self.init_kwargs, self.host_env, self.preload)
 
     def __enter__(self):
-        TaskRunner.__enter__(self)  # not RayTaskRunner's, which would start Ray now: see start_ray
-        return self
+        prefect_internals.check()  # here, not deep inside a training run, when Prefect is not the version read
+        return super().__enter__()  # Ray starts later: see start_ray
 
     def start_ray(self, address: str | None, init_kwargs: dict[str, Any]) -> None:
         """Connect to the Ray cluster at ``address`` (None: start a local Ray; ``init_kwargs`` go to ``ray.init``)
@@ -592,7 +558,7 @@ class WarmRayTaskRunner(RayTaskRunner):
             # left running on this machine, or one named by a stale /tmp/ray/ray_current_cluster, and then refuse
             # num_cpus ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")
             connect_ray(address or "local", init_kwargs, self.logger)
-            self._owns_ray = True  # RayTaskRunner.__exit__ shuts down the Ray it started
+            self._owns_ray = True
         self.host()
 
     def host(self):
@@ -626,8 +592,8 @@ class WarmRayTaskRunner(RayTaskRunner):
         parameters: dict[str, Any],
         wait_for: Iterable[PrefectFuture] | None = None,
         dependencies: dict[str, set[RunInput]] | None = None,
-    ) -> PrefectRayFuture:
-        if not self._started:
+    ) -> HostFuture:
+        if not prefect_internals.is_started(self):
             raise RuntimeError("The task runner must be started before submitting work.")
         self.start_ray(self.address, self.init_kwargs)
         task_run_id = uuid4()
@@ -645,7 +611,7 @@ class WarmRayTaskRunner(RayTaskRunner):
         dependencies = {k: set(v) for k, v in (dependencies or {}).items()}
         for k, inputs in task_inputs.items():  # the run graph's edges (point 5): the upstream futures of each parameter
             dependencies.setdefault(k, set()).update(inputs)
-        parameters, upstream_ray_obj_refs = self._exchange_prefect_for_ray_futures(parameters)
+        parameters, upstream_ray_obj_refs = self._futures_to_ray(parameters)
         if wait_for:  # a future of a task of this host waited for there as a HandOff, as in the parameters
             wait_for = list(wait_for)
             dependencies.setdefault("wait_for", set()).update(collect_task_run_inputs_sync(wait_for))
@@ -670,9 +636,10 @@ class WarmRayTaskRunner(RayTaskRunner):
         future.host_token = self._host_token
         return future
 
-    def _exchange_prefect_for_ray_futures(self, parameters: dict[str, Any]) -> tuple[dict[str, Any], list]:
-        """prefect-ray's exchange of futures for Ray references (Ray resolves those before the task starts), except
-        that a future of a task of this runner's host becomes a ``HandOff`` (point 7 of the module docstring)."""
+    def _futures_to_ray(self, parameters: dict[str, Any]) -> tuple[dict[str, Any], list]:
+        """``parameters`` with each future of a task on Ray as its Ray reference (Ray resolves those before the task
+        starts; the list of them comes second), except that a future of a task of this runner's host becomes a
+        ``HandOff`` (point 7 of the module docstring)."""
         from prefect.utilities.collections import visit_collection
 
         upstream_ray_obj_refs: list = []
@@ -711,4 +678,8 @@ class WarmRayTaskRunner(RayTaskRunner):
                 self.logger.warning("the task host could not send its last logs and events: %s", error)
             ray.kill(self._host)
             self._host = None
+        if self._owns_ray:
+            self.logger.debug("Shutting down Ray")
+            ray.shutdown()
+            self._owns_ray = False
         super().__exit__(*exc_info)

@@ -1,48 +1,71 @@
-"""The private Prefect and prefect-ray names flows/task_runner.py builds on, checked in one place so that an upgrade
-that renames or reshapes one fails here, by name, instead of somewhere inside a training run. The pins in
-pyproject.toml (prefect==3.7.7, prefect-ray==0.6.0) say which versions these were read from.
+"""The Prefect names flows/task_runner.py needs beyond Prefect's public task-runner contract, read only through
+flows/prefect_internals.py: each one is there, and an upgrade that removes or reshapes one fails ``check()`` naming
+it (shown below against a Prefect monkeypatched so, one name at a time), instead of somewhere inside a training run.
+The pins in pyproject.toml (prefect==3.7.7, prefect-ray==0.6.0) say which versions these were read from.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
+from prefect.context import SettingsContext
+from prefect.futures import PrefectTaskRunFuture
+from prefect.task_runners import TaskRunner
+from pydantic import BaseModel
+
+from flows import prefect_internals
 
 
-def test_the_private_names_the_task_runner_imports_exist():
-    import prefect.context
-    from prefect._flow_run_suspension import raise_if_flow_run_suspension_requested
-    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
-    from prefect.futures import PrefectFuture
-    from prefect.task_engine import SyncTaskRunEngine
-    from prefect_ray import RayTaskRunner
-
-    assert callable(raise_if_flow_run_suspension_requested)
-    assert {"metadata", "result"} <= set(ResultRecord.model_fields) and ResultRecordMetadata
-    for name in ("_deployment_id", "_deployment_parameters"):  # ContextVars serialize_context_once reads
-        assert hasattr(getattr(prefect.context, name), "get"), name
-    for method in ("_resolve_parameters", "_wait_for_dependencies"):  # WarmTaskRunEngine overrides both
-        assert callable(getattr(SyncTaskRunEngine, method, None)), method
-    assert callable(getattr(RayTaskRunner, "_exchange_prefect_for_ray_futures", None))
-    assert "_final_state" in inspect.getsource(PrefectFuture.__init__)  # PrefectRayFuture sets it when Ray is done
+def test_every_name_the_task_runner_reads_is_there():
+    assert prefect_internals.missing() == []
+    prefect_internals.check()
 
 
-def test_serialize_context_once_returns_prefects_keys():
-    """flows/task_runner.py's copy of ``prefect.context.serialize_context`` must hand the task host the same keys."""
-    import uuid
+def _future_without_final_state(self, task_run_id):
+    self._task_run_id = task_run_id
 
-    from prefect import task
-    from prefect.context import serialize_context
 
-    from flows.task_runner import serialize_context_once
+def _runner_without_started(self):
+    self.running = False
 
-    @task
-    def noop():
-        pass
 
-    asset_ctx_kwargs = {"task": noop, "task_run_id": uuid.uuid4(), "task_inputs": {}, "copy_to_child_ctx": False}
-    assert set(serialize_context_once(asset_ctx_kwargs)) == set(serialize_context(asset_ctx_kwargs))
+def _serialize_without_the_context_var(asset_ctx_kwargs=None):
+    from prefect.context import GLOBAL_SETTINGS_CONTEXT
+
+    return {"settings_context": GLOBAL_SETTINGS_CONTEXT.serialize()}
+
+
+class _RecordWithoutResult(BaseModel):
+    metadata: dict = {}
+
+
+BREAKS = {  # a name in prefect_internals.NEEDED -> how an upgrade could remove or change it
+    "prefect.context.SettingsContext.__var__": lambda m: m.setattr(SettingsContext, "__var__", None),
+    "prefect.context.serialize_context reading SettingsContext.get()": lambda m: m.setattr(
+        prefect_internals, "serialize_context", _serialize_without_the_context_var
+    ),
+    "prefect.futures.PrefectTaskRunFuture._final_state": lambda m: m.setattr(
+        PrefectTaskRunFuture, "__init__", _future_without_final_state
+    ),
+    "prefect.task_runners.TaskRunner._started": lambda m: (
+        m.setattr(TaskRunner, "__init__", _runner_without_started),
+        m.setattr(TaskRunner, "__enter__", _runner_without_started),
+    ),
+    "prefect.results.ResultRecord fields metadata, result": lambda m: m.setattr(
+        prefect_internals, "ResultRecord", _RecordWithoutResult
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BREAKS))
+def test_check_fails_naming_a_name_an_upgrade_removed(name, monkeypatch):
+    assert name in prefect_internals.NEEDED
+    BREAKS[name](monkeypatch)
+    assert name in prefect_internals.missing()
+    with pytest.raises(ImportError, match=re.escape(name)):
+        prefect_internals.check.__wrapped__()  # not check(): that one remembers that the real Prefect passed
 
 
 def test_run_task_sync_takes_what_the_task_host_passes():
@@ -56,4 +79,4 @@ def test_run_task_sync_takes_what_the_task_host_passes():
 def test_the_installed_prefect_is_the_one_read(package, pinned):
     from importlib.metadata import version
 
-    assert version(package) == pinned, f"{package} {version(package)}: re-read flows/task_runner.py's patches first"
+    assert version(package) == pinned, f"{package} {version(package)}: re-read flows/prefect_internals.py first"

@@ -169,27 +169,26 @@ def api_log_text(task_run_id, until: str) -> str:
 
 
 @flow(name="warm-runner-context", persist_result=False)
-def serialized_contexts() -> list[dict]:
+def serialized_contexts() -> tuple[list[dict], dict]:
     from uuid import uuid4
 
-    from prefect.context import FlowRunContext
-
-    def serialize() -> dict:
-        return serialize_context_once({"task": where, "task_run_id": uuid4(), "task_inputs": {}})
-
-    contexts = [serialize(), serialize()]
+    from prefect.context import FlowRunContext, serialize_context
     from prefect.states import Running
 
+    asset_ctx_kwargs = {"task": where, "task_run_id": uuid4(), "task_inputs": {}}
+    contexts = [serialize_context_once(asset_ctx_kwargs), serialize_context_once(asset_ctx_kwargs)]
     FlowRunContext.get().flow_run.state = Running()  # as a state change does: a new state object
-    return [*contexts, serialize()]
+    contexts.append(serialize_context_once(asset_ctx_kwargs))
+    return contexts, serialize_context(asset_ctx_kwargs)
 
 
 def test_the_flow_run_context_is_serialized_again_only_when_its_state_changes(services):
-    first, second, after_change = serialized_contexts()
+    (first, second, after_change), prefects = serialized_contexts()
     assert second["flow_run_context"] is first["flow_run_context"]  # the same dict: put in Ray's store once
     assert after_change["flow_run_context"] is not first["flow_run_context"]
     assert after_change["flow_run_context"]["flow_run"]["id"] == first["flow_run_context"]["flow_run"]["id"]
     assert second["settings_context"] is first["settings_context"] and first["settings_context"]
+    assert after_change == prefects  # what Prefect's own serialize_context gives, every key and value
 
 
 def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_cluster):
