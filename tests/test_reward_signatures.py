@@ -138,7 +138,7 @@ def test_a_verl_reward_file_scores_through_the_rule_reward(tmp_path, tiny_path, 
 def test_verl_dict_results_become_reward_extra_columns_and_metrics(tmp_path, tiny_path, tokenizer, caplog):
     spec = f"{write(tmp_path, 'verl_dict.py', VERL_DICT)}:compute_score"
     batch = rolled_out(tokenizer, verl_rows(), ["12", "5", "34"])
-    with caplog.at_level(logging.WARNING, logger="rlworkers.rewards.registry"):
+    with caplog.at_level(logging.WARNING, logger="rlworkers.rewards.scoring"):
         out = RuleReward({"reward_fn": spec}, tiny_path).compute_rm_score(batch)
         RuleReward({"reward_fn": spec}, tiny_path).compute_rm_score(batch)  # warned once, not per call
     assert list(out.non_tensor_batch["score"]) == [1.0, -1.0, 1.0]

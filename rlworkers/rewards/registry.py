@@ -1,8 +1,8 @@
-"""Reward function registry, loading of user reward functions, and validated scoring.
+"""Reward signatures and the registry of reward functions (registered names, DATA_SOURCE_DEFAULTS, "auto").
 
 Three signatures are accepted. They are told apart by parameter names (``inspect.signature``) when a function is
-loaded (``load_reward_fn``) or registered (``register_reward_fn``); verl's two are wrapped into rlflow's, so every
-caller sees one batch signature:
+loaded (``load_reward_fn``, rlworkers.rewards.loading) or registered (``register_reward_fn``); verl's two are wrapped
+into rlflow's, so every caller sees one batch signature:
 
 1. rlflow's batch signature (any function not recognised as 2. or 3., unchanged)::
 
@@ -38,47 +38,21 @@ is the reward; every other key becomes a per-row number (``compute_reward_values
 (None, or a row without the key, gives NaN, left out of the mean); a key with any other value (a string, a list)
 is dropped with one warning naming it. A dict without ``score`` is an error.
 
-``load_reward_fn(spec)`` accepts exactly these forms, and loads user code only from what the spec names (no
-scanning of folders, no ``eval``):
-
-- a registered name: "exact", "gsm8k", "last_number", "format", or "auto" (per row, by the ``data_source`` column,
-  through DATA_SOURCE_DEFAULTS, e.g. "addition" -> "exact"); "exact", "gsm8k" and "last_number" score each row against
-  its ground truth (``ground_truth``, else ``answer``, else ``reward_model["ground_truth"]``) and refuse a row that
-  has none;
-- "path/to/file.py:function_name": the file is executed as a fresh module, and the function taken from it;
-- "package.module:function_name": the module is imported;
-- a callable, taken as it is (a verl-signature one is wrapped).
-
-``compute_reward_values(reward_fn, prompts, responses, **columns)`` calls a (loaded) reward function and checks
-its result: ``(scores, extras)``. ``compute_scores(...)`` is the same call, scores only.
+Registered names: "exact", "gsm8k", "last_number", "format", and "auto" (per row, by the ``data_source`` column,
+through DATA_SOURCE_DEFAULTS). rlworkers.rewards.loading resolves a reward spec to a function, and
+rlworkers.rewards.scoring calls one and checks its result.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import logging
-import math
-import numbers
-import sys
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 from rlworkers.rewards.rule import exact_answer_reward, format_reward, gsm8k_reward, last_number_reward
-
-logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[float]]
 
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer")
-SPEC_FORMS = (
-    "a registered name ({names})",
-    "'path/to/file.py:function_name'",
-    "'package.module:function_name'",
-)
 # The names rlflow's batch signature gives its first two arguments: a column cannot have them.
 RESERVED_COLUMNS = ("prompts", "responses")
 # Parameter names of verl's signatures, in the order of (data_source, solution_str, ground_truth, extra_info).
@@ -212,6 +186,18 @@ def _column(columns: Mapping[str, Sequence], key: str, n: int) -> list:
     return list(columns[key]) if key in columns else [None] * n
 
 
+def describe_reward_fn(fn: Callable) -> str:
+    """A name for error messages: the spec it was loaded by (``load_reward_fn`` records it), else module.qualname
+    (of the user's function, for a wrapped verl one)."""
+    if isinstance(fn, VerlRewardFn):
+        fn = fn.fn
+    spec = getattr(fn, "__rlflow_reward_spec__", None)
+    if spec:
+        return spec
+    qualname = getattr(fn, "__qualname__", type(fn).__name__)
+    return f"{getattr(fn, '__module__', '?')}.{qualname}"
+
+
 def as_batch_reward_fn(fn: Callable) -> RewardFn:
     """``fn`` with rlflow's batch signature: a verl-signature function wrapped in ``VerlRewardFn``, any other
     callable (and an already wrapped one) returned as it is.
@@ -288,211 +274,3 @@ def auto_reward(prompts: list[str], responses: list[str], **columns) -> list:
         for i, score in zip(rows, result, strict=True):
             scores[i] = score
     return scores
-
-
-# ------------------------------------------------------------------------------------------------------ loading
-def _bad_spec(spec: object, why: str) -> ValueError:
-    forms = ", ".join(SPEC_FORMS).format(names=", ".join(sorted([*REWARD_FUNCTIONS, "auto"])))
-    return ValueError(f"bad reward spec {spec!r}: {why}. Accepted forms: {forms}")
-
-
-def load_reward_fn(spec: str | Callable) -> RewardFn:
-    """Resolve a reward spec (see the module docstring) to a callable with rlflow's batch signature: a verl-signature
-    function is wrapped (``as_batch_reward_fn``), any other returned as it is.
-
-    Raises:
-        ValueError: the spec has none of the accepted forms, names a missing file, module or attribute, or the
-            attribute is not callable (the message names the spec and the accepted forms); or a verl-signature
-            function requires parameters verl does not pass.
-    """
-    if callable(spec):
-        return as_batch_reward_fn(spec)
-    if not isinstance(spec, str) or not spec.strip():
-        raise _bad_spec(spec, "expected a non-empty string")
-    if spec == "auto":
-        return auto_reward
-    if spec in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[spec]
-    if ":" not in spec:
-        raise _bad_spec(spec, "not a registered name and no ':function_name' part")
-    # rsplit: a Windows path ("C:\\x\\r.py:fn") has a colon of its own.
-    target, function_name = spec.rsplit(":", 1)
-    if not function_name.isidentifier():
-        raise _bad_spec(spec, f"{function_name!r} is not a function name")
-    module = _load_file(spec, target) if target.endswith(".py") else _import_module(spec, target)
-    fn = getattr(module, function_name, None)
-    if fn is None:
-        raise _bad_spec(spec, f"{target!r} has no attribute {function_name!r}")
-    if not callable(fn):
-        raise _bad_spec(spec, f"{target}:{function_name} is a {type(fn).__name__}, not a function")
-    _remember_spec(fn, spec)
-    wrapped = as_batch_reward_fn(fn)
-    logger.info("loaded reward function %s with %s", spec, _STYLE_NAMES[reward_fn_style(fn)])
-    return wrapped
-
-
-def _load_file(spec: str, file: str):
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise _bad_spec(spec, f"file {str(path)!r} does not exist")
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
-    name = f"_rlflow_reward_{path.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    # The module sits in sys.modules only while it runs (dataclasses and typing look it up there). Left out
-    # afterwards, cloudpickle ships its functions to Ray workers by value, where the file path may not exist.
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        e.add_note(f"while loading reward file {str(path)!r} for spec {spec!r}")
-        raise
-    finally:
-        sys.modules.pop(name, None)
-    return module
-
-
-def _import_module(spec: str, module_name: str):
-    if not all(part.isidentifier() for part in module_name.split(".")):
-        raise _bad_spec(spec, f"{module_name!r} is neither a .py file nor a dotted module name")
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):  # the named module itself is missing, not its imports
-            raise _bad_spec(spec, f"module {module_name!r} cannot be imported ({e})") from e
-        raise
-
-
-def _remember_spec(fn: Callable, spec: str) -> None:
-    try:
-        fn.__rlflow_reward_spec__ = spec
-    except (AttributeError, TypeError):
-        pass  # builtins and some callables take no attributes; error messages fall back to the qualname
-
-
-def describe_reward_fn(fn: Callable) -> str:
-    """A name for error messages: the spec it was loaded by, else module.qualname (of the user's function, for a
-    wrapped verl one)."""
-    if isinstance(fn, VerlRewardFn):
-        fn = fn.fn
-    spec = getattr(fn, "__rlflow_reward_spec__", None)
-    if spec:
-        return spec
-    qualname = getattr(fn, "__qualname__", type(fn).__name__)
-    return f"{getattr(fn, '__module__', '?')}.{qualname}"
-
-
-# ------------------------------------------------------------------------------------------------------ scoring
-class RewardFunctionError(ValueError):
-    """The reward function raised: a bug in it (or a column the data lacks), not a fault a restart would cure."""
-
-
-def compute_reward_values(
-    reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], /, **columns
-) -> tuple[list[float], dict[str, list[float]]]:
-    """Call ``reward_fn(prompts, responses, **columns)`` (rlflow's batch signature: pass a function through
-    ``load_reward_fn``/``as_batch_reward_fn`` first) and return ``(scores, extras)``: one finite float per response,
-    and for each extra key of the dicts it returned, one float per response (NaN where a row has none).
-
-    Raises:
-        RewardFunctionError: the function raised; the message names it and the line that raised.
-        ValueError: inputs of different lengths, a column named ``prompts`` or ``responses``, or the function
-            returned something other than one finite number (or dict with a finite ``score``) per response; the
-            message names the function.
-    """
-    n = len(responses)
-    lengths = {"prompts": len(prompts), **{k: len(v) for k, v in columns.items()}}
-    wrong = {k: v for k, v in lengths.items() if v != n}
-    if wrong:
-        raise ValueError(f"compute_scores got {n} responses but lengths {wrong}; pass one value per response")
-    name = describe_reward_fn(reward_fn)
-    clash = [k for k in RESERVED_COLUMNS if k in columns]
-    if clash:
-        raise ValueError(
-            f"the data has columns {clash}, the names of reward function {name}'s first two arguments "
-            "(prompts, responses); rename those columns in the dataset"
-        )
-    try:
-        result = reward_fn(list(prompts), list(responses), **{k: list(v) for k, v in columns.items()})
-    except MissingGroundTruthError:
-        raise  # the data's fault, not the function's: its message names the reward, the row and the fix
-    except Exception as error:
-        frame = traceback.extract_tb(error.__traceback__)[-1]
-        raise RewardFunctionError(
-            f"reward function {name} raised {type(error).__name__}: {error} ({frame.filename} line {frame.lineno})"
-        ) from error
-    if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__"):
-        raise ValueError(
-            f"reward function {name} must return a list of floats (or of dicts with a 'score'), "
-            f"got {type(result).__name__}"
-        )
-    scores, extras = _split_results(list(result), name)
-    if len(scores) != n:
-        raise ValueError(f"reward function {name} returned {len(scores)} scores for {n} responses; return one each")
-    bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
-    if bad:
-        raise ValueError(f"reward function {name} returned non-finite scores at positions {bad[:10]}")
-    return scores, extras
-
-
-def compute_scores(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], /, **columns) -> list[float]:
-    """``compute_reward_values``' scores alone (the same checks and errors)."""
-    return compute_reward_values(reward_fn, prompts, responses, **columns)[0]
-
-
-_warned_extras: set[tuple[str, str]] = set()
-
-
-def _split_results(results: list, name: str) -> tuple[list[float], dict[str, list[float]]]:
-    """Per-row results (numbers, or dicts with ``score`` and extras) -> (scores, {extra key: one float per row})."""
-    scores: list[float] = []
-    for i, value in enumerate(results):
-        if isinstance(value, Mapping):
-            if "score" not in value:
-                raise ValueError(
-                    f"reward function {name} returned a dict without 'score' for row {i} (keys "
-                    f"{sorted(map(str, value))}); return a number, or a dict with the reward under 'score' "
-                    "(its other keys are logged as reward_extra/<key>), e.g. {'score': 1.0, 'acc': True}"
-                )
-            value = value["score"]
-        try:
-            scores.append(float(value))
-        except Exception as e:  # float() of a str, None, a list, a multi-element tensor, ...
-            raise ValueError(f"reward function {name} returned a score that is not a number (row {i}): {e}") from e
-    dicts = [value if isinstance(value, Mapping) else {} for value in results]
-    keys = dict.fromkeys(key for d in dicts for key in d if key != "score")
-    extras: dict[str, list[float]] = {}
-    for key in keys:
-        column = [_as_number(d.get(key)) for d in dicts]
-        bad = next((i for i, v in enumerate(column) if v is _NOT_A_NUMBER), None)
-        if bad is None and all(math.isnan(v) for v in column):
-            bad = next(i for i, d in enumerate(dicts) if key in d)
-        if bad is not None:
-            if (name, str(key)) not in _warned_extras:
-                _warned_extras.add((name, str(key)))
-                logger.warning(
-                    "reward function %s returned %r for extra key %r (row %d): extra values must be numbers or "
-                    "bools; %r is left out of the reward's extras (warned once)",
-                    name,
-                    dicts[bad].get(key),
-                    key,
-                    bad,
-                    key,
-                )
-            continue
-        extras[str(key)] = column
-    return scores, extras
-
-
-_NOT_A_NUMBER = object()
-
-
-def _as_number(value) -> float | object:
-    """A float for a number, bool, or 0-d array/tensor; NaN for None; ``_NOT_A_NUMBER`` for anything else."""
-    if value is None:
-        return math.nan
-    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy scalars, 0-d arrays and tensors
-        value = value.item()
-    if isinstance(value, numbers.Real):  # bool and numpy's numbers too
-        return float(value)
-    return _NOT_A_NUMBER

@@ -9,7 +9,7 @@ row without it); ``save_checkpoint(path)`` records what the reward was; ``load_c
 a run trained with another reward.
 
 Rule functions are loaded only from a registered name or an explicitly named file/module
-(``rewards.registry.load_reward_fn``), with rlflow's ``reward_fn(prompts, responses, **columns)``, verl's per-sample
+(``rewards.loading.load_reward_fn``), with rlflow's ``reward_fn(prompts, responses, **columns)``, verl's per-sample
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` or verl's batch
 ``compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)`` (the registry's docstring
 says what each gets). ``prompts`` is the batch's ``raw_prompt`` (the text the model saw), ``responses`` the decoded
@@ -37,7 +37,8 @@ from rlworkers.algorithms.core_algos import compute_token_level_scores
 from rlworkers.data.batching import decode_responses
 from rlworkers.models.loading import load_tokenizer, resolve_model_path, torch_dtype
 from rlworkers.protocol import DataProto
-from rlworkers.rewards.registry import compute_reward_values, load_reward_fn
+from rlworkers.rewards.loading import load_reward_fn
+from rlworkers.rewards.scoring import compute_reward_values
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers.config import RewardConfig
 
