@@ -101,7 +101,7 @@ def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> dict
     old = [] if bypass else [submit(compute_log_prob, actor, gen, step)]
     ref_lp = submit(compute_ref_log_prob, ref, gen, step)
     batch = submit(compute_advantage, gen, [scores, *old, ref_lp], algorithm, None, step)
-    metrics = submit(update_actor, actor, batch, step).result()
+    metrics = submit(update_actor, actor, batch, step).result().metrics
     return {"step": time.perf_counter() - start, **{k: v for k, v in metrics.items() if k.startswith("timing_s/")}}
 
 
