@@ -11,7 +11,7 @@ by tests/test_prefect_internals.py) fails naming the one that an upgrade removed
   own ``serialize_context``. Dumping every setting is most of what a stock submit costs (~30 ms here), and settings do
   not change while a flow runs.
 - ``PrefectTaskRunFuture._final_state``: where a future keeps its task run's final state (Prefect's own futures and
-  prefect-ray's set it the same way); ``state`` then answers without asking the API.
+  prefect-ray's set it the same way); ``state`` then answers without asking the API (~10 ms a read here).
 - ``TaskRunner._started``: set by ``TaskRunner.__enter__``; ``submit`` refuses work before it, as Prefect's runners do.
 - ``SettingsContext`` (fields ``profile``, ``settings``) and ``SyncClientContext`` (field ``client``) built with
   pydantic's ``model_construct``: each task in the host enters its own copy of a settings context validated once, and
@@ -73,6 +73,10 @@ def serialize_context_reusing(
 
 def set_final_state(future: PrefectTaskRunFuture, state: State) -> None:
     future._final_state = state
+
+
+def final_state(future: PrefectTaskRunFuture) -> State | None:
+    return future._final_state
 
 
 def is_started(runner: TaskRunner) -> bool:

@@ -81,7 +81,7 @@ from uuid import uuid4
 
 from prefect.client.schemas.objects import RunInput
 from prefect.futures import PrefectFuture
-from prefect.states import State
+from prefect.states import Pending, State
 from prefect.task_runners import TaskRunner
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
@@ -488,6 +488,13 @@ class HandedOffFuture(HostFuture):
     def __init__(self, host: TaskHost, entry: list):
         super().__init__(task_run_id=entry[0].task_run_id, wrapped_future=entry[0].ref)
         self._host, self._entry, self._taken = host, entry, False
+
+    @property
+    def state(self) -> State:
+        """Its final state once waited for, Pending before, never read from the API: Prefect's engine reads the state
+        of each future in the parameters when it creates the task run (a Running upstream would count as this task
+        run's parent), and the upstream's end is still being recorded when its result is handed on."""
+        return prefect_internals.final_state(self) or Pending()
 
     def wait(self, timeout: float | None = None) -> None:
         if self._taken:

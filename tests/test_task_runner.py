@@ -125,6 +125,7 @@ def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_clu
     assert all(r.state.is_completed() for r in runs)
     for before, after in zip(runs, runs[1:]):  # the run graph's edges: each task's input is the previous task's result
         assert [i.id for i in after.task_inputs["previous"]] == [before.id], after.task_inputs
+        assert not after.task_inputs.get("__parents__"), after.task_inputs  # an input, not a parent task run
     gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30) if psutil.pid_exists(pids[0]) else ([1], [])
     assert gone, "the task host outlived its flow run"
 
@@ -189,6 +190,25 @@ def test_the_flow_run_context_is_serialized_again_only_when_its_state_changes(se
     assert after_change["flow_run_context"]["flow_run"]["id"] == first["flow_run_context"]["flow_run"]["id"]
     assert second["settings_context"] is first["settings_context"] and first["settings_context"]
     assert after_change == prefects  # what Prefect's own serialize_context gives, every key and value
+
+
+def test_a_handed_off_future_never_asks_the_api_for_its_state(monkeypatch):
+    """Prefect's engine reads the state of each future in a task's parameters when it creates the task run; a
+    hand-off's must come from the host (Pending until taken), not from the API: ~10 ms a task, and an upstream still
+    Running there would be recorded as the task run's parent."""
+    from uuid import uuid4
+
+    import prefect.futures
+    from prefect.states import Pending
+
+    from flows.task_runner import HandedOffFuture, HandOff
+
+    def no_api(*args, **kwargs):
+        raise AssertionError("a hand-off's state was read from the Prefect API")
+
+    monkeypatch.setattr(prefect.futures, "get_client", no_api)
+    future = HandedOffFuture(host=None, entry=[HandOff(uuid4(), ref=None), None])
+    assert future.state.type == Pending().type
 
 
 def test_a_failing_task_is_reported_failed_with_its_traceback(services, ray_cluster):
