@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.input import RunInput
 from pydantic import Field
 
-from flows import evaluation, lineage, versions
+from flows import evaluation, lineage, run_evaluation, versions
 from flows.tracking import artifact_key
 
 
@@ -28,7 +28,7 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     name, trainer, gate = lineage.registered_model_name(run.config), run.config.trainer, run.config.eval
     primary = gate.primary_set
     candidate = final[primary]
-    start = (run.saved_results("start") or {}).get(primary)
+    start = (run_evaluation.saved_results(run, "start") or {}).get(primary)
     champion, best = versions.gate_baselines(
         client, name, trainer.promotion_alias, candidate, start, run.record.model_uri, reevaluate_with(run, primary)
     )
@@ -81,7 +81,7 @@ def reevaluate_with(run, set_name: str):
             "champion v%s has no %s results with these settings: evaluating it in this run", version.version, set_name
         )
         uri = f"models:/{version.name}/{version.version}"
-        results = run.evaluate_model(uri, eval_set, label=f"champion_v{version.version}")
+        results = run_evaluation.evaluate_model(run, uri, eval_set, label=f"champion_v{version.version}")
         versions.tag_results(run.tracker.client, version.name, version.version, results, run.tracker.run_id)
         return results
 

@@ -11,11 +11,10 @@ from datetime import datetime
 from prefect import get_run_logger
 from prefect.exceptions import UnfinishedRun
 
+from flows.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
 from flows.stages import is_task_run_of_step
 from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
 from rlworkers.single_controller import PlacementError
-
-STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
 
 
 class FaultBudgetExhausted(RuntimeError):
@@ -61,13 +60,13 @@ def recover(run, step: int, error: Exception) -> None:
         ) from error
     log = get_run_logger()
     log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(run.faults), budget)
-    checkpoint = find_latest_checkpoint(run.checkpoint_root, required=["trainer_state.json"])
+    checkpoint = find_latest_checkpoint(checkpoint_root(run.root), required=["trainer_state.json"])
     rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(run.distinct_groups()))
     try:
         for name in sorted(rebuild):
             restart_group(run, name)
         if checkpoint:
-            run.restore(checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
+            restore(run, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
         else:
             run.loader.load_state_dict(run.start_state["loader"])
             run.kl_ctrl_state, run.start_step = run.start_state["kl_ctrl_state"], 1

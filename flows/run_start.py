@@ -15,6 +15,7 @@ from flows import evaluation, lineage
 from flows.config import RLConfig, flatten, runs_root
 from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
 from flows.rows import dataset_rows, read_rows
+from flows.run_checkpoints import checkpoint_root, restore
 from flows.runtime import Run, TerminalProgress
 from flows.tracking import (
     ProgressArtifact,
@@ -72,7 +73,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
             "choose another trainer.run_name"
         )
     # resume=never means "do not continue another run": a later attempt of this flow run still resumes its own.
-    resume = resolve_resume(f"{root}/checkpoints", "auto" if same_flow_run else config.trainer.resume)
+    resume = resolve_resume(checkpoint_root(root), "auto" if same_flow_run else config.trainer.resume)
     state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
     if state:
         check_checkpoint_fits(resume[0], state, config, algorithm, record.model_dir if record else None)
@@ -139,7 +140,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
     run.groups = build_groups(config, roles, record.model_dir)
     if resume:
-        run.restore(resume[0], state)
+        restore(run, resume[0], state)
     run.progress = ProgressArtifact(name, config.trainer.total_steps)
     if sys.stderr.isatty():
         run.terminal = TerminalProgress(f"{algorithm} {name}", config.trainer.total_steps, run.start_step - 1)

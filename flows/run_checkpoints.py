@@ -1,0 +1,60 @@
+"""A run's checkpoints: where they go (``checkpoint_root``), when one is due (``should_save``: every
+``trainer.save_freq`` steps and at the end), what one holds (``save``: the state of the actor, critic and reward
+groups, the data loader's position, the KL controller, the MLflow run and the config; each checkpoint published as a
+Prefect artifact, its manifest logged to MLflow), and how a run continues from one (``restore``: at a resume, or
+after a worker fault). The ``save_checkpoint`` stage (flows/stages.py) writes one; ``rlworkers.checkpoint`` commits,
+checks and prunes them.
+
+``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+
+from __future__ import annotations
+
+from flows.stages import save_checkpoint
+from flows.tracking import publish_checkpoint_artifact
+
+STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
+
+
+def checkpoint_root(root: str) -> str:
+    """The folder of the checkpoints of the run whose folder is ``root``."""
+    return f"{root}/checkpoints"
+
+
+def should_save(run, step: int) -> bool:
+    """Every ``trainer.save_freq`` steps and at the last one (only there when ``save_freq`` <= 0)."""
+    freq = run.config.trainer.save_freq
+    return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
+
+
+def save(run, step: int) -> str:
+    """Checkpoint the run as it is after ``step`` (the MLflow metrics up to it flushed first); its path."""
+    state = {
+        "step": step,
+        "algorithm": run.algorithm,
+        "loader": run.loader.state_dict(),
+        "kl_ctrl_state": run.kl_ctrl_state,
+        "mlflow_run_id": run.tracker.run_id,
+        "world_size": run.config.trainer.n_workers,
+        "config": run.config.model_dump(mode="json"),
+    }
+    roles = {name: group for name, group in run.groups.items() if name in STATEFUL_ROLES}
+    run.tracker.flush()  # the steps up to this one are in MLflow before a resume can start after them
+    path, manifest = save_checkpoint.submit(
+        checkpoint_root(run.root), step, roles, state, run.config.trainer.keep_last_checkpoints, run.last_checkpoint
+    ).result()
+    run.last_checkpoint = path
+    publish_checkpoint_artifact(run.config.trainer.run_name, step, path, run.last_metrics)
+    run.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
+    return path
+
+
+def restore(run, path: str, state: dict) -> None:
+    """Load the checkpoint at ``path`` (its ``trainer_state.json`` read as ``state``) into every stateful group,
+    the data loader and the KL controller; the run continues at the step after it."""
+    for role in STATEFUL_ROLES:
+        if role in run.groups:
+            run.groups[role].load_checkpoint(f"{path}/{role}")
+    run.loader.load_state_dict(state["loader"])
+    run.kl_ctrl_state = state["kl_ctrl_state"]
+    run.start_step = state["step"] + 1
+    run.last_checkpoint = path

@@ -1,0 +1,60 @@
+"""The end of a run that trained all its steps (``publish``): its final model validated and evaluated, saved to the
+run folder, logged (and registered) in MLflow, promoted in a lineage (flows/promotion.py), the data cursor recorded
+for the lineage's next run, and the run marked complete (``result.json``, which a later attempt reads as "nothing to
+do") with a Prefect markdown artifact that summarises it.
+
+``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+
+from __future__ import annotations
+
+import json
+
+from prefect.artifacts import create_markdown_artifact
+
+from flows import lineage, promotion, run_evaluation
+from flows.tracking import artifact_key
+
+
+def publish(run) -> dict:
+    """Evaluate the final model, save it, log (and register) it, promote it in a lineage, record the data
+    cursor, and mark the run complete (``result.json``); a Prefect markdown artifact summarises it."""
+    total = run.config.trainer.total_steps
+    if total not in run.val_scores:  # an attempt that only finishes publishing
+        run_evaluation.validate(run, total)
+    final = run_evaluation.evaluate(run, total)
+    cursor = run.loader.state_dict()
+    result = {
+        "run_name": run.config.trainer.run_name,
+        "steps": total,
+        "val/score/mean": run.val_scores[total],
+        **{f"eval/{name}/score/mean": results.mean for name, results in final.items()},
+        "data_epoch": cursor["epoch"],
+        "data_cursor": cursor,
+    }
+    run.tracker.set_tags({"rlflow.data_cursor": json.dumps(cursor)})
+    path = f"{run.root}/final_model"
+    run.groups["actor"].save_model(path)  # with actor.lora: the adapter on its pinned base
+    run.tracker.set_tags({"final_model_path": path})
+    if run.config.actor.lora.publish_merged:
+        merged = f"{run.root}/final_model_merged"
+        run.groups["actor"].save_model(merged, merged=True)
+        run.tracker.set_tags({"final_merged_model_path": merged})
+        if run.config.trainer.log_model:
+            info = run.tracker.log_model(merged, name="merged_model")
+            run.tracker.set_tags({"final_merged_model_uri": info.model_uri})
+    if run.config.trainer.log_model:
+        info = run.tracker.log_model(path, register_as=lineage.registered_model_name(run.config))
+        result["model_uri"] = info.model_uri
+        run.tracker.set_tags({"final_model_uri": info.model_uri})
+        if info.registered_model_version:
+            result["model_version"] = str(info.registered_model_version)
+            run.tracker.set_tags({"rlflow.model_version": result["model_version"]})
+    if run.config.trainer.lineage and "model_version" in result:
+        result["decision"] = promotion.promote(run, result["model_version"], final)
+    lineage.write_result(run.root, result)
+    create_markdown_artifact(
+        key=f"{artifact_key(run.config.trainer.run_name)}-result",
+        markdown=lineage.summary_markdown(run.record, result),
+        description=f"result of {run.config.trainer.run_name}",
+    )
+    return result
