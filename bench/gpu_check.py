@@ -1,11 +1,15 @@
-"""The CUDA paths of the actor worker on one GPU: the model in bf16 and in float32, an nccl process group, HF
-generate, log-probs, the reference, a GRPO update and a checkpoint round trip, with the checks a GPU run must pass
-and the time of each stage. Ray, Prefect and MLflow are not needed (the worker runs in this process, rank 0 of 1),
-so it runs on a bare GPU machine with torch, transformers, tensordict and pydantic.
+"""The CUDA paths of the actor worker on one GPU, in three precisions: float32; mixed (float32 weights and AdamW
+state, bf16 compute under torch.autocast: what configs/gpu.yaml runs); pure bf16 weights (model.dtype=bfloat16,
+which a run refuses unless actor.optim.low_precision_weights=true). Each runs an nccl process group, HF generate,
+log-probs, the reference, GRPO updates and a checkpoint round trip, with the checks a GPU run must pass and the time
+of each stage, then a learning probe: ``--probe-steps`` updates at ``--lr`` (gpu.yaml's 1e-6) that reinforce one
+fixed batch, reporting how many weights moved and how far the batch's log-likelihood rose. Ray, Prefect and MLflow
+are not needed (the worker runs in this process, rank 0 of 1), so it runs on a bare GPU machine with torch,
+transformers, tensordict and pydantic.
 
     python bench/gpu_check.py [--layers 12] [--hidden 768] [--prompts 64] [--n 8] [--response-length 64] [--steps 4]
 
-Prints one table per dtype and ends with the bf16 / float32 time ratio of each stage.
+Prints one table per precision and ends with each one's time per stage against float32's.
 """
 
 from __future__ import annotations
@@ -36,25 +40,34 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def run(dtype: str, path: str, args) -> dict[str, float]:
+times_keys = ("generate", "log_prob", "ref_log_prob", "update")
+PRECISIONS = {  # name: model settings (and the opt-in a pure bf16 run needs)
+    "float32": ({"dtype": "float32"}, {}),
+    "mixed": ({"dtype": "float32", "autocast": "bfloat16"}, {}),
+    "bf16": ({"dtype": "bfloat16"}, {"low_precision_weights": True}),
+}
+
+
+def run(precision: str, path: str, args) -> dict[str, float]:
     total = args.prompts * args.n
+    model, optim = PRECISIONS[precision]
     config = WorkerConfig.model_validate(
         {
-            "model": {"path": path, "dtype": dtype},
+            "model": {"path": path, **model},
             "device": args.device,
             "rollout": {"response_length": args.response_length, "n": args.n, "log_prob_micro_batch_size_per_gpu": 64},
             "actor": {
                 "ppo_mini_batch_size": total // 2,
                 "ppo_micro_batch_size_per_gpu": min(32, total // 2),
                 "use_kl_loss": True,
-                "optim": {"lr": 1e-5},
+                "optim": {"lr": args.lr, **optim},
             },
         }
     )
     worker = ActorRolloutRefWorker(config, role="actor_rollout_ref")
     worker.init_model()
     assert torch.distributed.get_backend() == ("nccl" if args.device == "cuda" else "gloo")
-    assert next(worker.model.parameters()).dtype == getattr(torch, dtype)
+    assert next(worker.model.parameters()).dtype == getattr(torch, model["dtype"])
     assert next(worker.model.parameters()).device.type == args.device
     prompts = prompt_batch(
         addition_rows(num_train=args.prompts, num_val=1, max_digits=3, seed=0)["train"], worker.tokenizer
@@ -89,18 +102,41 @@ def run(dtype: str, path: str, args) -> dict[str, float]:
         worker.load_checkpoint(folder)
         assert worker.get_weights_checksum() == checksum, "checkpoint round trip changed the weights"
     assert all(torch.isfinite(torch.tensor(losses))), losses
+    moved, rise = learning_probe(worker, gen, args.probe_steps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
-    print(f"\n{dtype}: {total} sequences x {args.response_length} new tokens, {args.steps} steps after a warm-up")
+    print(f"\n{precision} ({model}): {total} sequences x {args.response_length} new tokens, {args.steps} steps")
     for key, values in times.items():
         print(f"  {key:<13} {statistics.median(values):7.3f} s (median; min {min(values):.3f})")
     print(f"  max |rollout log-prob - recomputed log-prob| over response tokens: {max(gaps):.2e}")
     print(f"  pg_loss per step: {', '.join(f'{x:.4f}' for x in losses)}; peak GPU memory {peak:.2f} GiB")
     print("  checkpoint save -> change -> load restored the weights exactly")
+    print(
+        f"  learning probe, {args.probe_steps} updates at lr {args.lr:g} reinforcing one batch: {moved:.1%} of the "
+        f"weights moved; the batch's mean log-prob per response token rose {rise:+.2e} nats"
+    )
     del worker
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {key: statistics.median(values) for key, values in times.items()} | {"moved": moved, "rise": rise}
+
+
+def learning_probe(worker: ActorRolloutRefWorker, batch, steps: int) -> tuple[float, float]:
+    """``steps`` updates with advantage +1 on every response of ``batch``: the share of weight elements that
+    changed, and the rise of the batch's mean log-prob per response token (float32 recomputation)."""
+    batch.batch["advantages"] = batch.batch["response_mask"].float()
+    before = [p.detach().clone() for p in worker.model.parameters()]
+    mask = batch.batch["response_mask"].float()
+    start = mean_log_prob(worker, batch, mask)
+    for _ in range(steps):
+        worker.update_actor(batch)
+    changed = sum(int((p.detach() != b).sum()) for p, b in zip(worker.model.parameters(), before))
+    return changed / sum(b.numel() for b in before), mean_log_prob(worker, batch, mask) - start
+
+
+def mean_log_prob(worker: ActorRolloutRefWorker, batch, mask: torch.Tensor) -> float:
+    log_probs = worker.compute_log_prob(batch).batch["old_log_probs"]
+    return float((log_probs * mask).sum() / mask.sum())
 
 
 def main() -> None:
@@ -111,6 +147,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-length", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-6, help="configs/gpu.yaml's actor.optim.lr")
+    parser.add_argument("--probe-steps", type=int, default=5)
+    parser.add_argument("--precisions", default="float32,mixed,bf16", help=f"of {', '.join(PRECISIONS)}")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -124,11 +163,15 @@ def main() -> None:
     )
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{device}, torch {torch.__version__}, random Llama {args.layers}x{args.hidden}")
-    medians = {dtype: run(dtype, path, args) for dtype in ("float32", "bfloat16")}
-    print(
-        "\nbf16 / float32 time per stage: "
-        + ", ".join(f"{k} {medians['bfloat16'][k] / medians['float32'][k]:.2f}" for k in medians["float32"])
-    )
+    medians = {precision: run(precision, path, args) for precision in args.precisions.split(",")}
+    base = medians.get("float32")
+    print(f"\n{'precision':<10} " + " ".join(f"{k:>13}" for k in next(iter(medians.values()))))
+    for precision, figures in medians.items():
+        cells = [f"{figures[k]:.3f}" + (f" ({figures[k] / base[k]:.2f}x)" if base else "") for k in times_keys]
+        cells += [f"{figures['moved']:.1%}", f"{figures['rise']:+.2e}"]
+        print(f"{precision:<10} " + " ".join(f"{c:>13}" for c in cells))
+    print("(stages in seconds, median; in brackets against float32; moved: share of weights changed by the probe;")
+    print(" rise: the probe's rise of the reinforced batch's mean log-prob per token, in nats)")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def train(
         raise typer.BadParameter(str(error)) from None
     try:
         cfg = load_config(config, overrides or [])
+        cfg.check_algorithm(algorithm)
     except (ConfigError, FileNotFoundError, ValueError) as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2)

@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlworkers.workers.config import (
     ActorConfig,
     CriticConfig,
+    KLEstimator,
     ModelConfig,
+    OptimConfig,
     RewardConfig,
     RolloutConfig,
     WorkerConfig,
@@ -113,7 +115,7 @@ class AlgorithmConfig(_Frozen):
     lam: float = Field(1.0, ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: KLEstimator = "kl"
     kl_ctrl: KLControlConfig = KLControlConfig()
     dpo_beta: float = Field(0.1, gt=0, description="online DPO: strength of the reference anchor")
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
@@ -384,15 +386,74 @@ class RLConfig(_Frozen):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_weights_precision(self):
+        """AdamW on bf16/fp16 weights loses every step below the dtype's resolution: refused unless asked for."""
+        trained = [("actor", self.model, self.actor.optim)] if not self.actor.lora.enabled else []
+        if self.algorithm.adv_estimator == "gae":
+            trained.append(("critic", self.critic.model or self.model, self.critic.optim))
+        for role, model, optim in trained:
+            if model.dtype != "float32" and not optim.low_precision_weights:
+                where = "critic.model.dtype" if role == "critic" and self.critic.model else "model.dtype"
+                raise ValueError(
+                    f"{where}={model.dtype} trains the {role}'s weights in {model.dtype} with no float32 master copy: "
+                    f"AdamW steps below {model.dtype}'s resolution (~1/256 of a weight for bf16) are lost, and small "
+                    f"learning rates barely move the model. Fix: {where}=float32 with "
+                    f"{where.replace('dtype', 'autocast')}={model.dtype} (mixed precision: {model.dtype} compute, "
+                    f"float32 weights and optimizer state), or set {role}.optim.low_precision_weights=true to train "
+                    "this way anyway"
+                )
+        return self
+
+    def check_algorithm(self, algorithm: str) -> None:
+        """What a flow needs of the config beyond its fields, checked before anything starts (``start_run``)."""
+        problems = []
+        group_estimators = ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
+        if algorithm != "sft" and self.trainer.steps_per_task != 1:
+            problems.append(
+                f"trainer.steps_per_task={self.trainer.steps_per_task} applies to SFT only: {algorithm} runs each "
+                "stage of a step as a task of its own; set it to 1"
+            )
+        if algorithm == "grpo" and self.algorithm.adv_estimator == "gae":
+            problems.append(
+                "algorithm.adv_estimator=gae needs a critic, which the grpo flow has none of: run the ppo flow "
+                "(rlflow train ppo ...), or choose grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline or "
+                "grpo_passk"
+            )
+        if algorithm == "ppo" and self.algorithm.adv_estimator != "gae":
+            problems.append(
+                f"the ppo flow trains a critic for GAE: set algorithm.adv_estimator=gae (for "
+                f"{self.algorithm.adv_estimator}, run the grpo flow)"
+            )
+        if algorithm == "grpo" and self.algorithm.adv_estimator in group_estimators and self.rollout.n < 2:
+            problems.append(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares each response with the others of "
+                f"its prompt; with rollout.n={self.rollout.n} a group has one response and its advantage is 0 or the "
+                "raw score: set rollout.n >= 2 (or adv_estimator=reinforce_plus_plus, which needs no group)"
+            )
+        if algorithm == "online_dpo" and self.rollout.n < 2:
+            problems.append("online DPO pairs responses of the same prompt: set rollout.n >= 2")
+        if problems:
+            raise ConfigError(f"invalid config for {algorithm}:\n" + "\n".join(f"  {p}" for p in problems))
+
     def worker_config(self) -> WorkerConfig:
+        actor = self.actor.model_copy(update={"optim": self._with_horizon(self.actor.optim)})
         return WorkerConfig(
             model=self.model,
-            actor=self.actor,
+            actor=actor,
             rollout=self.rollout,
             device=self.trainer.device,
             seed=self.trainer.seed,
             collective_timeout_s=self.trainer.collective_timeout_s,
         )
+
+    def critic_config(self) -> CriticConfig:
+        return self.critic.model_copy(update={"optim": self._with_horizon(self.critic.optim)})
+
+    def _with_horizon(self, optim: OptimConfig) -> OptimConfig:
+        """The LR schedule's horizon: ``total_training_steps`` if set, else the run's steps (one update a step)."""
+        steps = optim.total_training_steps or self.trainer.total_steps
+        return optim.model_copy(update={"total_training_steps": steps})
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -441,6 +502,46 @@ class ConfigError(ValueError):
     """Invalid configuration; the message lists each bad field as a dotted path."""
 
 
+# verl's names (ppo_trainer.yaml) for what rlflow names otherwise, or does not have: the error says which
+VERL_NAMES = {
+    "data.max_response_length": "rollout.response_length",
+    "data.val_max_samples": "data.val_batch_size",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.total_epochs": "trainer.total_steps (rlflow counts steps, not epochs)",
+    "trainer.experiment_name": "trainer.run_name",
+    "trainer.default_local_dir": "trainer.runs_dir",
+    "trainer.n_gpus_per_node": "trainer.n_workers (with trainer.device=cuda)",
+    "trainer.nnodes": "trainer.ray_address (a Ray cluster's nodes) with trainer.n_workers",
+    "trainer.logger": "nothing: every run is tracked in MLflow (MLFLOW_TRACKING_URI)",
+    "trainer.val_before_train": "trainer.test_freq (validation runs before the first step and after the last)",
+    "actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_per_gpu",
+    "actor.use_dynamic_bsz": "nothing yet: micro-batches have a fixed size (actor.ppo_micro_batch_size_per_gpu)",
+    "actor.strategy": "nothing yet: actors are DDP (FSDP2 is planned)",
+    "actor.fsdp_config": "nothing yet: actors are DDP (FSDP2 is planned); mixed precision is model.autocast",
+    "actor.optim.warmup_style": "actor.optim.lr_scheduler",
+    "actor.optim.lr_warmup_steps_ratio": "actor.optim.lr_warmup_steps",
+    "rollout.log_prob_micro_batch_size": "rollout.log_prob_micro_batch_size_per_gpu",
+    "rollout.tensor_model_parallel_size": "nothing: each rollout worker holds the whole model",
+    "model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "reward_model.enable": "reward.reward_model (a model section; unset = rule rewards)",
+    "reward_model.path": "reward.reward_model.path",
+    "reward_model.reward_manager": "reward.reward_fn",
+}
+
+
+def verl_name_hint(field: str) -> str | None:
+    """What to write instead of ``field`` when it is one of verl's names (``actor_rollout_ref.*`` included)."""
+    if field.startswith("actor_rollout_ref."):
+        rest = field.removeprefix("actor_rollout_ref.")
+        if rest.split(".")[0] in ("actor", "rollout", "model") and rest not in VERL_NAMES:
+            return f"{rest} (rlflow's sections are top level: actor, rollout, model)"
+        field = rest
+    for name, hint in VERL_NAMES.items():
+        if field == name or field.startswith(name + "."):
+            return hint
+    return None
+
+
 def validate_config(data: dict | RLConfig) -> RLConfig:
     if isinstance(data, RLConfig):
         return data
@@ -450,7 +551,14 @@ def validate_config(data: dict | RLConfig) -> RLConfig:
         lines = []
         for problem in error.errors():
             field = ".".join(str(p) for p in problem["loc"]) or "(config)"
-            lines.append(f"  {field}: {problem['msg']}")
+            if problem["type"] != "extra_forbidden":
+                lines.append(f"  {field}: {problem['msg']}")
+                continue
+            # an unknown section arrives whole: name each of its keys
+            given = flatten(problem["input"], field + ".") if isinstance(problem["input"], dict) else {field: None}
+            for name in given:
+                hint = verl_name_hint(name)
+                lines.append(f"  {name}: {f'this is a verl name; use {hint}' if hint else problem['msg']}")
         raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
 
 

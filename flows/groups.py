@@ -70,7 +70,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
             trainer.n_workers,
             {
                 "use_gpu": use_gpu,
-                "config": config.critic,
+                "config": config.critic_config(),
                 "model": model,
                 "device": trainer.device,
                 "seed": trainer.seed,

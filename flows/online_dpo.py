@@ -50,8 +50,6 @@ def preference_pairs(batch: DataProto, parts: list[DataProto], world_size: int, 
     flow_run_name=flow_run_name,
 )
 def online_dpo(config: RLConfig) -> dict:
-    if config.rollout.n < 2:
-        raise ValueError("online DPO pairs responses of the same prompt: set rollout.n >= 2")
     run = start_run(config, "online_dpo", roles=("actor", "ref", "reward"))
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
     # the numbered comments line up with the steps of the module docstring

@@ -42,11 +42,6 @@ CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref", "values"], ["adv"], 
     flow_run_name=flow_run_name,
 )
 def ppo(config: RLConfig) -> dict:
-    if config.algorithm.adv_estimator != "gae":
-        raise ValueError(
-            "the ppo flow estimates advantages with a critic: set algorithm.adv_estimator=gae "
-            "(or use the grpo flow for critic-free estimators)"
-        )
     run = start_run(config, "ppo", roles=("actor", "ref", "critic", "reward"))
     actor, ref, critic, reward = (run.groups[k] for k in ("actor", "ref", "critic", "reward"))
     algorithm = config.algorithm.model_dump()

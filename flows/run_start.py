@@ -48,11 +48,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     """
     from flows.preflight import require_mlflow_tracking, require_prefect_api
 
-    if algorithm != "sft" and config.trainer.steps_per_task != 1:
-        raise ValueError(
-            f"trainer.steps_per_task={config.trainer.steps_per_task} applies to SFT only: {algorithm} runs each "
-            "stage of a step as a task of its own; set it to 1"
-        )
+    config.check_algorithm(algorithm)
     require_prefect_api()
     require_mlflow_tracking()
     check_runs_dir_writable(config)

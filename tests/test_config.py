@@ -36,7 +36,7 @@ def test_errors_name_the_field():
 
 def test_flatten_gives_dotted_params():
     flat = flatten(load_config("demo"))
-    assert flat["actor.optim.lr"] == 1e-4 and flat["trainer.run_name"] == "demo-grpo"
+    assert flat["actor.optim.lr"] == 1e-4 and flat["rollout.n"] == 8
     assert not any(isinstance(v, dict) for v in flat.values())
 
 
@@ -70,3 +70,102 @@ def test_step_blocks_end_where_validation_or_a_checkpoint_is_due_and_rewind():
     assert next(blocks) == [1, 2, 3] and next(blocks) == [4, 5]
     run.redo_from = 4  # what recovery does after restoring the step-3 checkpoint
     assert list(blocks) == [[4, 5], [6], [7, 8, 9], [10], [11]]
+
+
+def test_pure_low_precision_weights_are_refused_unless_asked_for():
+    mixed = load_config("gpu")
+    assert (mixed.model.dtype, mixed.model.autocast) == ("float32", "bfloat16")  # the GPU preset: mixed precision
+    with pytest.raises(ConfigError, match="model.dtype=float32 with model.autocast=bfloat16"):
+        load_config("demo", ["model.dtype=bfloat16"])
+    assert load_config("demo", ["model.dtype=bfloat16", "actor.optim.low_precision_weights=true"])
+    assert load_config("demo", ["model.dtype=bfloat16", "actor.lora.rank=4"])  # the frozen base may be bf16
+    # the critic trains too (ppo): its own model section, or the actor's
+    with pytest.raises(ConfigError, match="critic.model.dtype=bfloat16 trains the critic's weights"):
+        load_config("demo", ["algorithm.adv_estimator=gae", "critic.model={path: tiny, dtype: bfloat16}"])
+    with pytest.raises(ConfigError, match="critic.optim.low_precision_weights=true"):
+        load_config(
+            "demo",
+            ["algorithm.adv_estimator=gae", "model.dtype=bfloat16", "actor.optim.low_precision_weights=true"],
+        )
+
+
+def test_strings_with_a_fixed_set_of_values_are_choices():
+    with pytest.raises(ConfigError) as info:
+        load_config("demo", ["algorithm.kl_penalty=full", "actor.kl_loss_type=k4", "critic.loss_agg_mode=token-sum"])
+    message = str(info.value)
+    assert "algorithm.kl_penalty: Input should be 'kl'" in message and "'low_var_kl+'" in message
+    assert "actor.kl_loss_type" in message and "critic.loss_agg_mode: Input should be 'token-mean'" in message
+    assert load_config("demo", ["algorithm.kl_penalty=k3+", "actor.kl_loss_type=mse"]).actor.kl_loss_type == "mse"
+
+
+def test_verl_names_point_to_rlflows():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "demo",
+            [
+                "data.max_response_length=16",
+                "trainer.total_training_steps=5",
+                "actor_rollout_ref.actor.ppo_epochs=2",
+                "trainer.no_such_key=1",
+            ],
+        )
+    message = str(info.value)
+    assert "data.max_response_length: this is a verl name; use rollout.response_length" in message
+    assert "trainer.total_training_steps: this is a verl name; use trainer.total_steps" in message
+    assert "actor_rollout_ref.actor.ppo_epochs: this is a verl name; use actor.ppo_epochs" in message
+    assert "trainer.no_such_key: Extra inputs are not permitted" in message
+
+
+def test_lr_schedule_spans_the_run_unless_set():
+    import torch
+
+    from rlworkers.workers.common import build_lr_scheduler
+
+    config = load_config("demo", ["trainer.total_steps=24", "actor.optim.lr_scheduler=cosine"])
+    optim = config.worker_config().actor.optim
+    assert optim.total_training_steps == 24 and config.critic_config().optim.total_training_steps == 24
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=optim.lr)
+    scheduler = build_lr_scheduler(optimizer, optim)
+    lrs = []
+    for _ in range(24):  # one scheduler step per update call, one update call per training step
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(optim.lr) and lrs[12] == pytest.approx(optim.lr / 2, rel=0.05)
+    assert scheduler.get_last_lr()[0] == pytest.approx(0, abs=1e-12)  # decayed to min_lr_ratio at the run's end
+    set_explicitly = load_config("demo", ["trainer.total_steps=24", "actor.optim.total_training_steps=100"])
+    assert set_explicitly.worker_config().actor.optim.total_training_steps == 100
+    with pytest.raises(ValueError, match="optim.total_training_steps, which is unset"):
+        build_lr_scheduler(optimizer, config.actor.optim)  # a worker built without a run's horizon
+
+
+@pytest.mark.parametrize(
+    "algorithm, overrides, message",
+    [
+        ("grpo", ["rollout.n=1", "actor.ppo_mini_batch_size=32"], "with rollout.n=1 a group has one response"),
+        ("grpo", ["algorithm.adv_estimator=rloo", "rollout.n=1", "actor.ppo_mini_batch_size=32"], "rollout.n >= 2"),
+        ("grpo", ["algorithm.adv_estimator=gae"], "run the ppo flow"),
+        ("ppo", [], "set algorithm.adv_estimator=gae"),
+        ("online_dpo", ["rollout.n=1", "actor.ppo_mini_batch_size=32"], "set rollout.n >= 2"),
+        ("grpo", ["trainer.steps_per_task=2"], "applies to SFT only"),
+    ],
+)
+def test_what_a_flow_needs_is_checked_before_anything_starts(algorithm, overrides, message):
+    config = load_config("demo", overrides + ["actor.ppo_micro_batch_size_per_gpu=16"])
+    with pytest.raises(ConfigError, match=message):
+        config.check_algorithm(algorithm)
+
+
+def test_a_single_sample_without_groups_is_fine():
+    config = load_config(
+        "demo",
+        [
+            "rollout.n=1",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "actor.ppo_mini_batch_size=32",
+            "actor.ppo_micro_batch_size_per_gpu=16",
+        ],
+    )
+    config.check_algorithm("grpo")
+    load_config("demo", ["algorithm.adv_estimator=gae"]).check_algorithm("ppo")

@@ -54,12 +54,12 @@ def run_outside_checkout(installed: Path, tmp_path: Path, *command: str) -> subp
 def test_installed_package_loads_the_demo_preset(installed, tmp_path):
     probe = (
         "import flows.config as c; config = c.load_config('demo'); "
-        "print(c.__file__); print(config.trainer.run_name, config.rollout.n); c.load_config('no-such-preset')"
+        "print(c.__file__); print(config.data.train_batch_size, config.rollout.n); c.load_config('no-such-preset')"
     )
     result = run_outside_checkout(installed, tmp_path, sys.executable, "-c", probe)
     module_file, values = result.stdout.split("\n")[:2]
     assert Path(module_file).is_relative_to(installed)
-    assert values == "demo-grpo 8"  # flows/configs/demo.yaml
+    assert values == "32 8"  # flows/configs/demo.yaml
     assert "one of the presets ['demo', 'demo-sft', 'gpu', 'real', 'real-gsm8k', 'real-sft']" in result.stderr
 
 

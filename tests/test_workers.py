@@ -327,3 +327,50 @@ def test_config_rejects_bad_values(tiny_path):
         WorkerConfig.model_validate({"backend": "nccl"})
     with pytest.raises(ValueError, match="lr"):
         WorkerConfig.model_validate({"actor": {"optim": {"lr": -1}}})
+
+
+def test_pure_bf16_weights_lose_small_updates_that_mixed_precision_keeps(tiny_path):
+    """The reason configs/gpu.yaml trains float32 weights under bf16 autocast: at lr 1e-6 (its lr) AdamW's steps
+    are below bf16's resolution, so a bf16 model barely moves while the mixed-precision one moves every weight and
+    raises the reinforced responses' likelihood (bench/gpu_check.py's probe; the H200's figures in docs)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from bench.gpu_check import learning_probe
+
+    results = {}
+    for name, model, optim in (
+        ("mixed", {"autocast": "bfloat16"}, {}),
+        ("bf16", {"dtype": "bfloat16"}, {"low_precision_weights": True}),
+    ):
+        config = worker_config(
+            tiny_path,
+            model=model,
+            actor={"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1e-6, **optim}},
+        )
+        w = ActorRolloutRefWorker(config)
+        w.init_model()
+        batch = generated(w, n_prompts=8, n=2)
+        batch.union(w.compute_log_prob(batch))
+        results[name] = learning_probe(w, batch, steps=3)
+    assert results["mixed"][0] > 0.99 and results["mixed"][1] > 0, results
+    assert results["bf16"][0] < 0.1, results
+
+
+def test_critic_applies_autocast_and_gradient_checkpointing(worker):
+    out = generated(worker, n_prompts=8)
+    critic = CriticWorker(
+        {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1e-3}},
+        model={"path": worker.config.model.path, "autocast": "bfloat16", "gradient_checkpointing": True},
+    )
+    critic.init_model()
+    assert critic.model.is_gradient_checkpointing
+    head_dtypes = []
+    critic.model.score.register_forward_hook(lambda module, args, output: head_dtypes.append(output.dtype))
+    values = critic.compute_values(out).batch["values"]
+    assert set(head_dtypes) == {torch.bfloat16} and values.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in critic.model.parameters())
+    out.batch["values"] = values
+    out.batch["returns"] = torch.ones(16, 5) * out.batch["response_mask"]
+    losses = [critic.update_critic(out).meta_info["metrics"]["critic/vf_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]

@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 KL_PENALTY_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+# what a config may name: every mode but ``full``, and the straight-through (``+``) variants
+KL_ESTIMATORS = tuple(m for m in KL_PENALTY_MODES if m != "full") + ("kl+", "k1+", "abs+", "low_var_kl+", "k3+")
 
 
 def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, mode: str) -> torch.Tensor:
@@ -46,8 +48,7 @@ def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, mode: str) -> 
         return torch.clamp(kld, min=-10, max=10)
     if mode == "full":
         raise NotImplementedError("kl_penalty='full' needs full-vocabulary log-probs; use 'k1' or 'low_var_kl'.")
-    valid = list(KL_PENALTY_MODES) + [m + "+" for m in ("kl", "k1", "abs", "low_var_kl", "k3")]
-    raise ValueError(f"Unknown kl_penalty {mode!r}; valid options: {valid}.")
+    raise ValueError(f"Unknown kl_penalty {mode!r}; valid options: {list(KL_ESTIMATORS)}.")
 
 
 def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, mode: str) -> torch.Tensor:

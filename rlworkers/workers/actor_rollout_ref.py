@@ -165,11 +165,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict({"ref_log_prob": log_probs}).to("cpu")
 
     def _autocast(self):
-        """``model.autocast``: forward passes in bf16/fp16 over the float32 weights (mixed precision), else nothing."""
-        dtype = self.config.model.autocast
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch_dtype(dtype))
+        return common.autocast(self.config.model, self.device)
 
     @contextlib.contextmanager
     def _reference(self):

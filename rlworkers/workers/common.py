@@ -3,6 +3,7 @@ micro-batching and checkpoint files (safetensors for weights, ``torch.load(weigh
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -13,9 +14,10 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from rlworkers.algorithms.utils import entropy_from_logits
+from rlworkers.models.loading import torch_dtype
 from rlworkers.protocol import DataProto
 from rlworkers.storage import staged_dir
-from rlworkers.workers.config import OptimConfig
+from rlworkers.workers.config import ModelConfig, OptimConfig
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -75,13 +77,26 @@ def per_rank_batch_size(total: int, world_size: int, what: str) -> int:
     return total // world_size
 
 
+def autocast(model: ModelConfig, device: str):
+    """``model.autocast``: forward passes in bf16/fp16 over the float32 weights (mixed precision), else nothing."""
+    if model.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch_dtype(model.autocast))
+
+
 # ---------------------------------------------------------------------------------------------- optimisation
 def build_optimizer(parameters, config: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig):
-    """Linear warm-up, then constant, cosine or linear decay to ``min_lr_ratio * lr`` over the horizon."""
+    """Linear warm-up, then constant, cosine or linear decay to ``min_lr_ratio * lr`` over the horizon
+    (``total_training_steps`` update calls; a run sets it to its steps unless the config does)."""
+    if config.lr_scheduler != "constant" and config.total_training_steps is None:
+        raise ValueError(
+            f"lr_scheduler={config.lr_scheduler} decays over optim.total_training_steps, which is unset: set it "
+            "(a training run sets it to trainer.total_steps)"
+        )
 
     def factor(step: int) -> float:
         if step < config.lr_warmup_steps:

@@ -11,6 +11,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlworkers.algorithms.kl import KL_ESTIMATORS
+from rlworkers.algorithms.losses import LOSS_AGG_MODES
+
+LossAggMode = Literal[LOSS_AGG_MODES]
+KLEstimator = Literal[KL_ESTIMATORS]
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -44,8 +50,16 @@ class OptimConfig(_Frozen):
     grad_clip: float = Field(1.0, gt=0)
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0)
-    total_training_steps: int = Field(1000, gt=0, description="scheduler horizon (update calls)")
+    total_training_steps: int | None = Field(
+        None, gt=0, description="scheduler horizon in update calls; unset = the run's trainer.total_steps"
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    low_precision_weights: bool = Field(
+        False,
+        description="train weights held in model.dtype bfloat16/float16 directly, with no float32 master copy: "
+        "AdamW steps smaller than the dtype's resolution (bf16: ~1/256 of a weight) are lost, so small learning "
+        "rates barely move the model. Off: such a config is refused; use model.dtype=float32 model.autocast=bfloat16",
+    )
 
 
 class RolloutConfig(_Frozen):
@@ -106,14 +120,12 @@ class ActorConfig(_Frozen):
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = Field(3.0, gt=1)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: Literal["vanilla", "gspo"] = "vanilla"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: KLEstimator = "low_var_kl"
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig = LoraConfig()
 
@@ -124,7 +136,7 @@ class CriticConfig(_Frozen):
     ppo_micro_batch_size_per_gpu: int = Field(8, gt=0)
     ppo_epochs: int = Field(1, gt=0)
     cliprange_value: float = Field(0.5, gt=0)
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     optim: OptimConfig = OptimConfig(lr=1e-4)
 
 

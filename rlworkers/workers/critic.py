@@ -46,20 +46,24 @@ class CriticWorker(Worker):
         path = base_model_path(resolve_model_path(self.model_config.path))  # a LoRA adapter's critic starts at its base
         self.model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=1, dtype=torch_dtype(self.model_config.dtype)
-        ).to(self.device)
+        )
+        if self.model_config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.to(self.device)
         self.module = common.wrap_data_parallel(self.model, self.device)
         self.optimizer = common.build_optimizer(self.model.parameters(), self.config.optim)
         self.lr_scheduler = common.build_lr_scheduler(self.optimizer, self.config.optim)
 
     def _values(self, module, batch) -> torch.Tensor:
         response_length = batch["responses"].shape[-1]
-        out = module(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        ).logits.squeeze(-1)
-        return out[:, -response_length - 1 : -1] * batch["response_mask"]
+        with common.autocast(self.model_config, self.device):  # model.autocast: mixed precision, as the actor's
+            out = module(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+            ).logits.squeeze(-1)
+        return out.float()[:, -response_length - 1 : -1] * batch["response_mask"]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
