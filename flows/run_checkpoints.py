@@ -9,6 +9,8 @@ checks and prunes them.
 
 from __future__ import annotations
 
+import time
+
 from flows.stages import save_checkpoint
 from flows.tracking import publish_checkpoint_artifact
 
@@ -26,8 +28,9 @@ def should_save(run, step: int) -> bool:
     return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
 
 
-def save(run, step: int) -> str:
-    """Checkpoint the run as it is after ``step`` (the MLflow metrics up to it flushed first); its path."""
+def save(run, step: int) -> float:
+    """Checkpoint the run as it is after ``step`` (the MLflow metrics up to it flushed first); the seconds the
+    workers' save took (``timing_s/save_checkpoint``, logged at ``step``)."""
     state = {
         "step": step,
         "algorithm": run.algorithm,
@@ -39,13 +42,16 @@ def save(run, step: int) -> str:
     }
     roles = {name: group for name, group in run.groups.items() if name in STATEFUL_ROLES}
     run.tracker.flush()  # the steps up to this one are in MLflow before a resume can start after them
+    started = time.perf_counter()
     path, manifest = save_checkpoint.submit(
         checkpoint_root(run.root), step, roles, state, run.config.trainer.keep_last_checkpoints, run.last_checkpoint
     ).result()
+    seconds = time.perf_counter() - started
     run.last_checkpoint = path
     publish_checkpoint_artifact(run.config.trainer.run_name, step, path, run.last_metrics)
     run.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
-    return path
+    run.tracker.log_metrics({"timing_s/save_checkpoint": seconds}, step, wait=False)
+    return seconds
 
 
 def restore(run, path: str, state: dict) -> None:

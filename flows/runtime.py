@@ -60,6 +60,7 @@ class Run:
     faults: list[str] = field(default_factory=list)
     last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
     step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
+    last_step_end: float | None = None  # perf_counter when the step before ended (its validation and checkpoint too)
     ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
     warned_clipped: bool = False  # a training step's responses were mostly cut by rollout.response_length (said once)
 
@@ -133,25 +134,36 @@ class Run:
     def step_block(self, steps: list[int], critical_path: list[list[str]]) -> Iterator[list[dict]]:
         """``step`` for a block of steps that run as one task (see ``step_blocks``): the body appends each step's
         metrics in order. A step's ``timing_s/step`` is its share of the block's wall time in proportion to its time
-        in the workers, so every step of a block shows the block's orchestration overhead fraction."""
+        in the workers.
+
+        ``perf/orchestration_overhead_frac`` counts everything between the end of the step before and the end of
+        this one (its logging, validation and checkpoint included): 1 - (time in worker calls) / (that wall time),
+        logged once the step's validation and checkpoint are done. A generation submitted ahead overlaps the step
+        before, so its seconds may exceed the wall time they add: the fraction is then a lower bound (floored at 0)."""
         block: list[dict] = []
         start = time.perf_counter()
+        since = self.last_step_end if self.last_step_end is not None else start
         if steps[0] not in self.ahead:  # else its first stage started during the step before: keep that one's start
             self.step_started_at = datetime.now(timezone.utc)
         try:
             yield block
             wall = time.perf_counter() - start
             work = [worker_time(metrics, critical_path) for metrics in block]
+            after = 0.0  # seconds of validation and checkpoint calls
             for step, metrics, seconds in zip(steps, block, work, strict=True):
                 metrics["timing_s/step"] = wall * seconds / sum(work) if sum(work) > 0 else wall / len(steps)
-                self.end_step(step, metrics, critical_path)
+                after += self.end_step(step, metrics, critical_path)
+            self.last_step_end = time.perf_counter()
+            overhead = max(0.0, 1.0 - (sum(work) + after) / (self.last_step_end - since))
+            for step in steps:
+                self.tracker.log_metrics({"perf/orchestration_overhead_frac": overhead}, step, wait=False)
+            self.last_metrics["perf/orchestration_overhead_frac"] = overhead
         except Exception as error:
             recover(self, steps[0], error)
 
     def log_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
-        """Log a step's metrics with throughput and the controller's share of the step time (see ``worker_time``)."""
+        """Log a step's metrics with throughput and its time in the workers (see ``worker_time``)."""
         wall, work = metrics["timing_s/step"], worker_time(metrics, critical_path)
-        metrics["perf/orchestration_overhead_frac"] = max(0.0, 1.0 - work / wall)
         metrics["perf/worker_time_s"] = work
         if "response_length/mean" in metrics:
             tokens = metrics["response_length/mean"] * self.config.data.train_batch_size * self.config.rollout.n
@@ -180,13 +192,16 @@ class Run:
         )
         return True
 
-    def end_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
-        """Log the step, then validate and checkpoint when they are due."""
+    def end_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> float:
+        """Log the step, then validate and checkpoint when they are due; the seconds those two spent in their
+        worker calls (the validation stage's time, the checkpoint's save)."""
         self.log_step(step, metrics, critical_path)
+        seconds = 0.0
         if run_evaluation.should_validate(self, step):
-            run_evaluation.validate(self, step)
+            seconds += run_evaluation.validate(self, step)["timing_s/validate"]
         if run_checkpoints.should_save(self, step):
-            run_checkpoints.save(self, step)
+            seconds += run_checkpoints.save(self, step)
+        return seconds
 
     @contextmanager
     def training(self):
@@ -292,6 +307,5 @@ def _summary(metrics: dict) -> str:
         "actor/kl_loss",
         "val/score/mean",
         "timing_s/step",
-        "perf/orchestration_overhead_frac",
     )
     return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)

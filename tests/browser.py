@@ -23,9 +23,13 @@ import pytest
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "test-output" / "screenshots"
 
 
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
 class Browser:
     def __init__(self, width: int = 1500, height: int = 1000):
-        path = shutil.which("chromium") or shutil.which("chromium-browser")
+        path = chromium()
         if path is None:
             pytest.skip("headless Chromium is not installed: `apt-get install chromium` (Debian) runs the UI tests")
         self.profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)  # Chromium may still write

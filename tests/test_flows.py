@@ -10,6 +10,7 @@ uninterrupted run; past trainer.max_restarts it fails listing the faults; a bug 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import subprocess
 import sys
@@ -419,21 +420,43 @@ def test_corrupt_checkpoint_falls_back_to_previous(env):
 
 
 @pytest.mark.parametrize("algorithm", ["sft", "ppo", "online_dpo"])
-def test_other_algorithms_run_end_to_end(env, algorithm):
+def test_other_algorithms_run_end_to_end(env, algorithm, tmp_path):
     name = f"e2e-{algorithm}-{uuid.uuid4().hex[:6]}"
-    extra = {"sft": ["data.train_batch_size=16"], "ppo": ["algorithm.adv_estimator=gae"], "online_dpo": []}[algorithm]
+    # online DPO needs responses that score differently (the exact reward scores the random model's all 0: no pair)
+    (tmp_path / "length.py").write_text(
+        "def score(prompts, responses, **columns):\n    return [len(r) for r in responses]\n"
+    )
+    extra = {
+        "sft": ["data.train_batch_size=16"],
+        "ppo": ["algorithm.adv_estimator=gae", "trainer.total_steps=3"],
+        "online_dpo": [f"reward.reward_fn={tmp_path / 'length.py'}:score"],
+    }[algorithm]
     state, metrics = run_flow(algorithm, small_config(env, name, "trainer.total_steps=2", *extra))
     assert state.is_completed()
-    expected = {"sft": "sft/loss", "ppo": "critic/vf_loss", "online_dpo": "critic/score/mean"}[algorithm]
+    expected = {"sft": "sft/loss", "ppo": "critic/vf_loss", "online_dpo": "actor/dpo_loss"}[algorithm]
     assert expected in metrics
+    client, run = mlflow_run(name)
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    if algorithm == "online_dpo":  # pairs formed, and the first update moved the policy away from the reference
+        assert min(history("dpo/pairs")) > 0
+        first, second = history("dpo/reward_margin")
+        assert first == pytest.approx(0, abs=1e-6)  # before any update the policy is the reference: margin 0
+        assert abs(second) > 1e-4 and history("actor/dpo_loss")[0] == pytest.approx(math.log(2), abs=1e-4)
+    if algorithm == "ppo":  # the critic learned: its value loss falls over the run's steps
+        losses = history("critic/vf_loss")
+        assert len(losses) == 3 and losses[-1] < losses[0], losses
     if algorithm == "ppo":  # step 2's generation was submitted during step 1's updates, waiting for both
         _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
         ids = {t.name: str(t.id) for t in task_runs}
         waits = {t.name: {str(i.id) for i in t.task_inputs.get("wait_for", [])} for t in task_runs}
         assert waits["generate_sequences-step-2"] == {ids["update_actor-step-1"], ids["update_critic-step-1"]}
         assert all(t.state.is_completed() for t in task_runs)
-    client, run = mlflow_run(name)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/step")] == list(
+        range(1, len(history("timing_s/step")) + 1)
+    )
 
 
 def test_sft_steps_in_blocks_train_as_one_step_per_task_does(env):

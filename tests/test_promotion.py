@@ -148,19 +148,26 @@ def wait_paused(lineage: str, timeout_s: float = 300):
 
 
 def test_manual_promotion_pauses_for_a_person_and_follows_the_answer(gated, services):
-    from browser import Browser
+    """The pause, the API answer and the timeout run everywhere; the form as a person sees it where chromium is
+    (always in CI, where a missing chromium fails the run)."""
+    import warnings
+
+    from browser import Browser, chromium
     from prefect.client.orchestration import get_client
 
     process = lineage_run(gated, "trainer.promotion=manual", "trainer.total_steps=2", background=True)
     try:
         flow_run = wait_paused(gated["lineage"])
         assert flow_run.state.state_details.run_input_keyset  # a form, not a bare pause
-        with Browser(height=1300) as browser:  # what the person sees: the form with the gate's comparison
-            browser.open(f"{services['prefect_ui']}/runs/flow-run/{flow_run.id}", flow_run.name)
-            browser.click("Resume")
-            text = browser.wait_for_text("the gate recommends", timeout_s=30)
-            assert "Approve" in text and "Comment" in text and "champion v2" in text
-            browser.screenshot("prefect-promotion-approval")
+        if chromium() or os.environ.get("CI") == "true":
+            with Browser(height=1300) as browser:  # what the person sees: the form with the gate's comparison
+                browser.open(f"{services['prefect_ui']}/runs/flow-run/{flow_run.id}", flow_run.name)
+                browser.click("Resume")
+                text = browser.wait_for_text("the gate recommends", timeout_s=30)
+                assert "Approve" in text and "Comment" in text and "champion v2" in text
+                browser.screenshot("prefect-promotion-approval")
+        else:
+            warnings.warn("chromium is not installed: the approval form was not looked at (apt-get install chromium)")
         with get_client(sync_client=True) as client:  # what the UI's Submit sends
             client.resume_flow_run(flow_run.id, run_input={"approve": True, "comment": "spot-checked 20 answers"})
         output, _ = process.communicate(timeout=300)
