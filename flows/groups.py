@@ -77,11 +77,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
                 "collective_timeout_s": trainer.collective_timeout_s,
             },
         ),
-        "reward": (
-            RewardWorker,
-            config.reward.worker_count,
-            {"use_gpu": False, "cpus_per_worker": 0.5, "config": config.reward, "tokenizer_path": model_path},
-        ),
+        "reward": (RewardWorker, config.reward.worker_count, reward_worker_options(config, model_path)),
     }
     # a rule reward scores in the compute_reward stage (reward.num_workers=0): loaded here, before any worker starts
     in_stage = "reward" in roles and not config.reward.worker_count
@@ -109,6 +105,21 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
     if rule_reward is not None:
         groups["reward"] = rule_reward
     return groups
+
+
+def reward_worker_options(config: RLConfig, model_path: str) -> dict:
+    """The reward group's options: a reward model runs on the run's device (a GPU each worker, as the critic's), a
+    rule on CPU. Its workers get the policy's tokenizer, which decodes the batch, and the data's prompt column, where
+    a reward model finds chat prompts to render again in its own template."""
+    on_device = config.reward.reward_model is not None and config.trainer.device == "cuda"
+    return {
+        "use_gpu": on_device,
+        "device": "cuda" if on_device else "cpu",
+        "cpus_per_worker": 0.5,
+        "config": config.reward,
+        "tokenizer_path": model_path,
+        "prompt_key": config.data.prompt_key,
+    }
 
 
 def flow_task_runner():

@@ -60,7 +60,7 @@ def _require_template(tokenizer) -> None:
         )
 
 
-def _messages(messages: Sequence[dict]) -> list[dict]:
+def plain_messages(messages: Sequence[dict]) -> list[dict]:
     """Plain ``{"role", "content"}`` dicts (parquet structs may carry extra null fields, which templates print)."""
     return [{k: v for k, v in message.items() if v is not None} for message in messages]
 
@@ -76,7 +76,7 @@ def render_prompt(prompt, tokenizer, chat_template_kwargs: dict | None = None) -
         return prompt
     _require_template(tokenizer)
     return tokenizer.apply_chat_template(
-        _messages(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        plain_messages(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
     )
 
 
@@ -111,7 +111,7 @@ def conversation_tokens(
             prefix of the longer one (the message says which turn).
     """
     _require_template(tokenizer)
-    messages = _messages(messages)
+    messages = plain_messages(messages)
     kwargs = chat_template_kwargs or {}
 
     def render(upto: int, generation_prompt: bool) -> str:

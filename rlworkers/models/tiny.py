@@ -47,9 +47,12 @@ CHARACTERS = string.digits + "+-*/=" + " " + string.ascii_lowercase + string.asc
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def build_char_tokenizer(*, model_max_length: int = 128) -> PreTrainedTokenizerFast:
-    """Return the character-level tokenizer (vocabulary: SPECIAL_TOKENS, then CHARACTERS, in that order)."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+def build_char_tokenizer(*, model_max_length: int = 128, characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
+    """Return the character-level tokenizer (vocabulary: SPECIAL_TOKENS, then ``characters``, in that order).
+
+    ``characters`` in another order gives a tokenizer that reads the same text as other ids: what a reward model
+    with a vocabulary of its own looks like to a test (tests/test_reward_model.py)."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(characters))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # Every character is its own pre-token; `[\s\S]` rather than `.` so newlines are split too.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
