@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from rlworkers.algorithms import core_algos
@@ -28,6 +29,8 @@ from rlworkers.data.synthetic import addition_rows
 from rlworkers.models.tiny import ensure_tiny_model
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 from rlworkers.workers.config import WorkerConfig
+from rlworkers.workers.critic import CriticWorker
+from rlworkers.workers.reward import RewardWorker
 
 
 def timed(fn, *args):
@@ -121,6 +124,53 @@ def run(precision: str, path: str, args) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in times.items()} | {"moved": moved, "rise": rise}
 
 
+def check_critic_and_reward(path: str, args) -> None:
+    """The critic and a reward model on the device, both under bf16 autocast over float32 weights: values, critic
+    updates on one fixed batch (its value loss must fall), and reward-model scores (finite, one per row)."""
+    total = args.prompts * args.n
+    actor = ActorRolloutRefWorker(
+        WorkerConfig.model_validate(
+            {"model": {"path": path}, "device": args.device, "rollout": {"response_length": args.response_length}}
+        ),
+        role="rollout",
+    )
+    actor.init_model()
+    prompts = prompt_batch(
+        addition_rows(num_train=args.prompts, num_val=1, max_digits=3, seed=0)["train"], actor.tokenizer
+    )
+    prompts.meta_info["n"] = args.n
+    batch = actor.generate_sequences(prompts)
+    del actor
+    mixed = {"path": path, "autocast": "bfloat16"}
+    critic = CriticWorker(
+        {"ppo_mini_batch_size": total // 2, "ppo_micro_batch_size_per_gpu": min(32, total // 2), "optim": {"lr": 1e-5}},
+        model=mixed,
+        device=args.device,
+    )
+    critic.init_model()
+    batch.union(critic.compute_values(batch))
+    batch.batch["returns"] = batch.batch["response_mask"].float()
+    losses, t_update = [], 0.0
+    for _ in range(5):
+        out, seconds = timed(critic.update_critic, batch)
+        losses.append(out.meta_info["metrics"]["critic/vf_loss"])
+        t_update += seconds
+    assert next(critic.model.parameters()).device.type == args.device
+    assert losses[-1] < losses[0], losses
+    del critic
+    reward = RewardWorker({"reward_model": mixed, "num_workers": 1}, tokenizer_path=path, device=args.device)
+    reward.init_model()
+    scores, t_score = timed(reward.compute_rm_score, batch)
+    values = scores.non_tensor_batch["score"].astype(float)
+    assert next(reward.reward_model.model.parameters()).device.type == args.device
+    assert len(values) == total and np.isfinite(values).all()
+    print(f"\ncritic and reward model, mixed precision, on {args.device}: {total} sequences")
+    print(
+        f"  critic value loss over 5 updates on one batch: {', '.join(f'{x:.4f}' for x in losses)} ({t_update:.2f} s)"
+    )
+    print(f"  reward-model scores: mean {values.mean():+.4f}, std {values.std():.4f} ({t_score:.2f} s)")
+
+
 def learning_probe(worker: ActorRolloutRefWorker, batch, steps: int) -> tuple[float, float]:
     """``steps`` updates with advantage +1 on every response of ``batch``: the share of weight elements that
     changed, and the rise of the batch's mean log-prob per response token (float32 recomputation)."""
@@ -150,6 +200,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="configs/gpu.yaml's actor.optim.lr")
     parser.add_argument("--probe-steps", type=int, default=5)
     parser.add_argument("--precisions", default="float32,mixed,bf16", help=f"of {', '.join(PRECISIONS)}")
+    parser.add_argument("--critic-and-reward", action="store_true", help="also check the critic and a reward model")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -163,7 +214,11 @@ def main() -> None:
     )
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{device}, torch {torch.__version__}, random Llama {args.layers}x{args.hidden}")
-    medians = {precision: run(precision, path, args) for precision in args.precisions.split(",")}
+    if args.critic_and_reward:
+        check_critic_and_reward(path, args)
+    medians = {precision: run(precision, path, args) for precision in args.precisions.split(",") if precision}
+    if not medians:
+        return
     base = medians.get("float32")
     print(f"\n{'precision':<10} " + " ".join(f"{k:>13}" for k in next(iter(medians.values()))))
     for precision, figures in medians.items():
