@@ -42,3 +42,32 @@ def read_rows(config: RLConfig, files: list[str], tokenizer=None, keys: dict | N
     formats = {"truncation": data.truncation, "chat_template_kwargs": data.apply_chat_template_kwargs}
     keys = keys or {"prompt_key": data.prompt_key, "conversation_key": data.messages_key}
     return load_prompt_dataset(files, **keys, **limit, **formats)
+
+
+def check_ground_truth(config: RLConfig, reward_fn, rows: list[dict], split: str) -> None:
+    """Refuse, before anything starts, a row without a ground truth when the reward compares with one
+    (``rlworkers.rewards.needs_ground_truth``): verl's ``compute_score`` would get None, a rule would fail at the
+    first reward call, after the workers and the MLflow run started."""
+    from rlworkers.data.batching import ground_truth_of
+    from rlworkers.rewards import describe_reward_fn, needs_ground_truth
+
+    answer_key = config.data.answer_key
+    for index, row in enumerate(rows):
+        if ground_truth_of(row, answer_key) is None and needs_ground_truth(reward_fn, row.get("data_source")):
+            raise ValueError(
+                f"{row_location(config, split, index)} has no ground truth (no {answer_key!r} or 'ground_truth' "
+                f"column, no reward_model.ground_truth) and the reward {describe_reward_fn(reward_fn)} compares "
+                "with one. Fix: add the column (or set data.answer_key to the column that holds it), choose a reward "
+                "that needs none, or declare that yours needs none (a ground_truth=None default in verl's "
+                "signature, or needs_ground_truth = False on the function)"
+            )
+
+
+def row_location(config: RLConfig, split: str, index: int) -> str:
+    """Where row ``index`` of a split comes from: ``<file> line N`` (jsonl) / ``<file> row N (0-based)`` (parquet)."""
+    from rlworkers.data.datasets import row_locations
+
+    files = config.data.train_files if split == "train" else (config.data.val_files or config.data.train_files)
+    if not files:
+        return f"the built-in task's {split} row {index}"
+    return row_locations(files, config.data.prompt_key, config.data.messages_key)[index]

@@ -14,7 +14,7 @@ from prefect import get_run_logger
 from flows import evaluation, lineage
 from flows.config import RLConfig, flatten, runs_root
 from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
-from flows.rows import dataset_rows, read_rows
+from flows.rows import check_ground_truth, dataset_rows, read_rows, row_location
 from flows.run_checkpoints import checkpoint_root, restore
 from flows.runtime import Run, TerminalProgress
 from flows.tracking import (
@@ -29,9 +29,11 @@ from rlworkers.checkpoint import (
     write_json,
 )
 from rlworkers.data.batching import TokenCache
+from rlworkers.data.chat import is_chat
 from rlworkers.data.datasets import PromptDataLoader
 from rlworkers.models import lora
 from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_model_path
+from rlworkers.rewards import load_reward_fn
 from rlworkers.storage import is_remote
 from rlworkers.workers.config import RewardConfig
 from rlworkers.workers.reward import RuleReward
@@ -94,6 +96,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
     train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
     eval_sets = evaluation.resolve_sets(config, val_rows, lambda files: read_rows(config, files, checked))
+    check_rows_fit(config, algorithm, tokenizer, model_dir, train_rows, val_rows)
     for eval_set in eval_sets:  # a scorer that does not load fails here, before any worker starts
         if eval_set.scorer is not None:
             RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
@@ -152,6 +155,27 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         f" (attempt after {crashes} crash(es))" if crashes else "",
     )
     return run
+
+
+def check_rows_fit(config: RLConfig, algorithm: str, tokenizer, model_dir: str, train_rows, val_rows) -> None:
+    """What the rows need of the reward and the tokenizer, checked before anything starts: a ground truth for every
+    row when the reward compares with one (validation rows only for SFT, which trains on responses), and a chat
+    template when SFT rows hold chat messages (prompts are checked when they are tokenized above)."""
+    if config.reward.reward_model is None:
+        reward_fn = load_reward_fn(config.reward.reward_fn)
+        for split, rows in (("train", train_rows), ("validation", val_rows)):
+            if split == "validation" or algorithm != "sft":
+                check_ground_truth(config, reward_fn, rows, split)
+    if algorithm == "sft" and not getattr(tokenizer, "chat_template", None):
+        data = config.data
+        for index, row in enumerate(train_rows):
+            column = next((k for k in (data.messages_key, data.prompt_key) if is_chat(row.get(k))), None)
+            if column:
+                raise ValueError(
+                    f"{row_location(config, 'train', index)}: column {column!r} holds chat messages and the "
+                    f"tokenizer of {model_dir} has no chat template to render them. Fix: a chat model (or a "
+                    "tokenizer with a chat_template), or prompt/response strings"
+                )
 
 
 class CheckpointMismatch(RuntimeError):

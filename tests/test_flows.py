@@ -324,18 +324,42 @@ def test_an_error_with_every_worker_alive_fails_at_once(env, tmp_path):
 def test_bad_model_or_data_fail_before_any_worker_or_mlflow_run(env, tmp_path):
     long_prompts = tmp_path / "prompts.jsonl"
     long_prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n' + '{"prompt": "' + "9" * 80 + '=", "answer": "1"}\n')
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2="}\n')
+    verl_score = tmp_path / "verl_score.py"
+    verl_score.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}\n')
     cases = [
-        ("model.path=/no/such/model", "model.path='/no/such/model': no such folder"),
+        ("grpo", ["model.path=/no/such/model"], "model.path='/no/such/model': no such folder"),
         (
-            f"data.train_files=[{long_prompts}]",
+            "grpo",
+            [f"data.train_files=[{long_prompts}]"],
             "prompts.jsonl line 2: the prompt has 82 tokens, more than data.max_prompt_length=16",
         ),
-        ("trainer.steps_per_task=2", "trainer.steps_per_task=2 applies to SFT only"),
+        ("grpo", ["trainer.steps_per_task=2"], "trainer.steps_per_task=2 applies to SFT only"),
+        (  # a rule that compares with the answer, a row without one: named by its line, before anything starts
+            "grpo",
+            [f"data.train_files=[{no_answer}]", "reward.reward_fn=exact"],
+            "no_answer.jsonl line 3 has no ground truth",
+        ),
+        (  # verl's compute_score would get ground_truth=None
+            "grpo",
+            [f"data.train_files=[{no_answer}]", f"custom_reward_function.path={verl_score}"],
+            "no_answer.jsonl line 3 has no ground truth",
+        ),
+        (
+            "sft",
+            [f"data.train_files=[{chat}]", f"data.val_files=[{long_prompts}]", "data.max_prompt_length=128"],
+            "chat.jsonl line 1: column 'messages' holds chat messages and the tokenizer of",
+        ),
     ]
-    for override, message in cases:
+    for algorithm, overrides, message in cases:
         name = f"bad-input-{uuid.uuid4().hex[:6]}"
-        state = grpo.with_options(task_runner=ray_task_runner())(
-            config=small_config(env, name, override), return_state=True
+        state = FLOWS[algorithm].with_options(task_runner=ray_task_runner())(
+            config=small_config(env, name, *overrides), return_state=True
         )
         assert state.is_failed() and message in state.message, state.message
         experiment = MlflowClient().get_experiment_by_name("rlflow")  # None when no run was ever started

@@ -317,3 +317,30 @@ def test_verl_rows_from_prompt_batch_reach_a_verl_function(tmp_path, tiny_path, 
     )
     assert list(out.non_tensor_batch["score"]) == [1.0, 0.0, 1.0]
     assert out.non_tensor_batch["reward_extra/index"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_which_rewards_need_a_ground_truth():
+    from rlworkers.rewards import REWARD_FUNCTIONS, as_batch_reward_fn, auto_reward, needs_ground_truth
+
+    assert needs_ground_truth(REWARD_FUNCTIONS["exact"]) and needs_ground_truth(REWARD_FUNCTIONS["gsm8k"])
+    assert not needs_ground_truth(REWARD_FUNCTIONS["format"])
+    assert needs_ground_truth(auto_reward, "gsm8k") and not needs_ground_truth(auto_reward, "no-such-source")
+
+    def verl_needs(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    def verl_optional(data_source, solution_str, ground_truth=None, extra_info=None):
+        return 0.0
+
+    def verl_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+        return [0.0] * len(solution_strs)
+
+    def rlflow_fn(prompts, responses, **columns):
+        return [0.0] * len(responses)
+
+    assert needs_ground_truth(as_batch_reward_fn(verl_needs))
+    assert not needs_ground_truth(as_batch_reward_fn(verl_optional))
+    assert needs_ground_truth(as_batch_reward_fn(verl_batch))
+    assert not needs_ground_truth(rlflow_fn)  # gets ground_truth None for such rows, as documented
+    rlflow_fn.needs_ground_truth = True  # ... unless it says it compares with one
+    assert needs_ground_truth(rlflow_fn)

@@ -106,6 +106,13 @@ def _check_prompt_lengths(
     )
 
 
+def row_locations(paths, prompt_key: str = "prompt", conversation_key: str | None = None) -> list[str]:
+    """Where each row of ``load_prompt_dataset(paths, ...)`` comes from, in its order (``<file> line N`` /
+    ``<file> row N (0-based)``): how a check made after loading names a bad row."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    return [at for one in paths for at in _read_file(os.fspath(one), (prompt_key,), conversation_key)[1]]
+
+
 def _read_file(path: str, columns: tuple[str, ...], conversation_key: str | None) -> tuple[list[dict], list[str]]:
     """The rows of one file and, for each, where it is (``<file> line N`` / ``<file> row N``)."""
     lowered = path.lower()

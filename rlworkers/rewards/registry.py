@@ -38,6 +38,11 @@ is the reward; every other key becomes a per-row number (``compute_reward_values
 (None, or a row without the key, gives NaN, left out of the mean); a key with any other value (a string, a list)
 is dropped with one warning naming it. A dict without ``score`` is an error.
 
+A row without a ground truth is refused before a run starts when the reward compares with one
+(``needs_ground_truth``): the rules exact, gsm8k and last_number, and verl's signatures unless ``ground_truth`` has a
+default (``ground_truth=None`` says the function copes without one). rlflow's batch signature is not checked unless
+the function says it needs one (``fn.needs_ground_truth = True``; ``False`` turns the check off for any function).
+
 Registered names: "exact", "gsm8k", "last_number", "format", and "auto" (per row, by the ``data_source`` column,
 through DATA_SOURCE_DEFAULTS). rlworkers.rewards.loading resolves a reward spec to a function, and
 rlworkers.rewards.scoring calls one and checks its result.
@@ -113,11 +118,32 @@ def per_sample(score_fn: Callable[[str, str], float], name: str) -> RewardFn:
         return [float(score_fn(r, t)) for r, t in zip(responses, truths, strict=True)]
 
     reward_fn.__name__ = reward_fn.__qualname__ = f"{name}_reward"
+    reward_fn.needs_ground_truth = True
     return reward_fn
 
 
 def _format_batch(prompts: list[str], responses: list[str], **columns) -> list[float]:
     return [format_reward(r) for r in responses]
+
+
+_format_batch.needs_ground_truth = False
+
+
+def needs_ground_truth(fn: Callable, data_source: str | None = None) -> bool:
+    """Whether ``fn`` compares each response with its row's ground truth, so that a row without one must be refused
+    before a run starts. A function says so itself with a ``needs_ground_truth`` attribute; otherwise verl's
+    signatures need one unless their ``ground_truth(s)`` parameter has a default (``ground_truth=None`` declares it
+    optional), and rlflow's batch signature does not (it gets ``ground_truth`` None for such rows). ``auto``
+    needs what the rule of ``data_source`` needs."""
+    if fn is auto_reward:
+        return data_source in DATA_SOURCE_DEFAULTS and needs_ground_truth(reward_fn_for_data_source(data_source))
+    declared = getattr(fn, "needs_ground_truth", None)
+    if declared is not None:
+        return bool(declared)
+    if isinstance(fn, VerlRewardFn):
+        parameter = inspect.signature(fn.fn).parameters.get(VERL_PARAMETERS[fn.style][2])
+        return parameter is None or parameter.default is parameter.empty
+    return False
 
 
 # ------------------------------------------------------------------------------------------- verl's signatures
