@@ -1,7 +1,7 @@
 """Scheduling: the work pool, the deployments of ``deployments/prefect.yaml``, and two Prefect automations that make
 a crashed run recover without a person.
 
-    rlflow deploy      # idempotent: work pool, deployments (schedules, concurrency limits), automations
+    rlflow deploy      # idempotent: work pool, deployments (schedules), automations
     rlflow worker      # a Prefect process worker on the pool (same as `prefect worker start --pool rlflow`)
 
 The automations (Prefect UI -> Automations; each firing shows in the event feed and in the flow run's states):

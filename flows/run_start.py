@@ -3,6 +3,7 @@ starts, open its MLflow run, build its worker groups and resume its newest check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ from flows.config import RLConfig, flatten, runs_root
 from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
 from flows.rows import check_ground_truth, dataset_rows, read_rows, row_location
 from flows.run_checkpoints import checkpoint_root, restore
+from flows.run_lock import one_run_at_a_time
 from flows.runtime import Run, TerminalProgress
 from flows.tracking import (
     ProgressArtifact,
@@ -53,12 +55,24 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     config.check_algorithm(algorithm)
     require_prefect_api()
     require_mlflow_tracking()
-    check_runs_dir_writable(config)
-    reap_orphaned_ray_agents()
-    flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
     config = config.model_copy(
         update={"trainer": config.trainer.model_copy(update={"run_name": lineage.run_name(config, algorithm)})}
     )
+    check_runs_dir_writable(config)
+    lock = contextlib.ExitStack()  # held until Run.close: one run of a lineage at a time (flows/run_lock.py)
+    lock.enter_context(one_run_at_a_time(config.trainer.lineage, config.trainer.run_name, runs_root(config)))
+    try:
+        run = _start_holding_the_lock(config, algorithm, roles)
+    except BaseException:
+        lock.close()
+        raise
+    run.lock = lock
+    return run
+
+
+def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, ...]) -> Run:
+    reap_orphaned_ray_agents()
+    flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
     name = config.trainer.run_name
     root = runs_root(config)
     crashes = lineage.check_restart_budget(config.trainer.max_crash_restarts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -58,6 +58,7 @@ class Run:
     redo_from: int | None = None  # set by recovery: the step the loop goes back to (see step_blocks)
     start_state: dict = field(default_factory=dict)  # where a fault before the first checkpoint rewinds to
     faults: list[str] = field(default_factory=list)
+    lock: ExitStack = field(default_factory=ExitStack)  # the lineage's slot (run_lock.py)
     last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
     step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
     last_step_end: float | None = None  # perf_counter when the step before ended (its validation and checkpoint too)
@@ -259,6 +260,7 @@ class Run:
             self.progress.close()
         self.release_workers()
         self.tracker.finish(status)
+        self.lock.close()  # the next run of the lineage may start: this one has published and closed
 
     def release_workers(self) -> None:
         """Shut every worker group down and give its placement back (at the end, or before a long pause)."""

@@ -2,8 +2,9 @@
 deployment runs triggered through the Prefect API; every test runs against the session's servers (SQLite) and
 again against servers on a private PostgreSQL cluster.
 
-- two triggers of a lineage deployment: the second waits for the first (concurrency limit), then starts from the
-  first run's promoted model and continues its data;
+- two triggers of a lineage deployment, the first paused for manual approval longer than its lock's lease renewal:
+  the second waits for the first (the lineage's lock, flows/run_lock.py), then starts from the first run's approved
+  model and continues its data;
 - SIGKILL of the flow-run process mid-run (as the OOM killer would) while the restart automation is disabled (as
   when the server drops its evaluation): the run is marked Crashed, `rlflow worker` starts a new attempt without
   any command, it resumes from the last checkpoint and ends Completed with the same weights as an uninterrupted
@@ -31,6 +32,7 @@ from mlflow.tracking import MlflowClient
 from pg_cluster import private_postgres
 from safetensors.torch import load_file
 
+from flows.config import flatten
 from flows.lineage import RunRecord, read_result
 from flows.preflight import apply_service_env
 from flows.services import ServiceConfig, start_services, stop_services
@@ -168,34 +170,55 @@ def wait_final(flow_run_id, worker, timeout_s: float = 420):
     )
 
 
-def test_two_triggers_of_a_lineage_queue_and_chain(worker):
-    lineage = f"sched-{uuid.uuid4().hex[:6]}"
-    params = sft_params(worker, lineage=lineage, total_steps=2, save_freq=2)
-    first, second = trigger(params), trigger(params)  # in the same second: the names still differ
-    both_running = False
-    deadline = time.monotonic() + 420
-    while time.monotonic() < deadline:
-        states = [read_flow_run(f.id).state for f in (first, second)]
-        both_running |= all(s.is_running() for s in states)
-        if all(s.is_final() for s in states):
-            break
-        time.sleep(1)
-    assert not both_running, "two runs of one lineage overlapped"
-    # triggered in the same second, they are queued in an order of Prefect's choosing: the one that ran first
-    first, second = sorted((read_flow_run(f.id) for f in (first, second)), key=lambda run: run.start_time)
-    assert first.state.is_completed() and second.state.is_completed(), (first.state, second.state)
-    assert first.name.startswith(f"{lineage}-") and second.name.startswith(f"{lineage}-")
+def test_a_lineage_trains_one_run_at_a_time_through_a_manual_approval(worker, servers):
+    """The deployment's run of a lineage pauses for a person's approval (trainer.promotion=manual) and is left
+    paused longer than its lock's lease renewal period; `rlflow train` of the same lineage meanwhile waits instead of
+    training. Approved through the API (what the UI's form sends), the first ends Completed and v1 is the champion;
+    the second then starts from v1 and continues the data. (With a deployment concurrency limit, Prefect released
+    the slot at the pause and the paused run was ended Crashed when its lease renewal failed.)"""
+    from prefect.client.orchestration import get_client
+    from rlflow_cli import rlflow_in_background
 
-    record_one, record_two = (RunRecord.read(f"{worker['runs']}/{f.name}") for f in (first, second))
+    from flows.run_lock import LEASE_S
+
+    lineage = f"sched-{uuid.uuid4().hex[:6]}"
+    params = sft_params(worker, lineage=lineage, total_steps=2, save_freq=2, promotion="manual")
+    first = trigger(params)
+    deadline = time.monotonic() + 420
+    while not read_flow_run(first.id).state.is_paused():
+        assert time.monotonic() < deadline and not read_flow_run(first.id).state.is_final(), read_flow_run(first.id)
+        time.sleep(1)
+    overrides = [f"{key}={value}" for key, value in flatten(params["config"]).items() if key != "trainer.promotion"]
+    env = {key: servers[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    second = rlflow_in_background("train", "sft", *overrides, env=env)
+    try:
+        time.sleep(LEASE_S + 10)  # past the lease's renewal period (and its length): the paused run must keep it
+        assert read_flow_run(first.id).state.is_paused(), read_flow_run(first.id).state
+        assert second.poll() is None and len(list(Path(worker["runs"]).glob(f"{lineage}-*"))) == 1  # waiting
+        with get_client(sync_client=True) as client:
+            client.resume_flow_run(first.id, run_input={"approve": True, "comment": "looked at it"})
+        output, _ = second.communicate(timeout=420)
+    finally:
+        second.kill()
+    assert second.returncode == 0, output[-3000:]
+    assert f"another run of lineage '{lineage}' is running" in output  # it said why it waited
+    first = wait_final(first.id, worker)
+    assert first.state.is_completed(), first.state
+    (second_name,) = [p.name for p in Path(worker["runs"]).glob(f"{lineage}-*") if p.name != first.name]
+
+    record_one, record_two = (RunRecord.read(f"{worker['runs']}/{name}") for name in (first.name, second_name))
     assert record_one.model_uri == worker["model"]
     assert record_two.model_uri == f"models:/{lineage}/1" and record_two.parent_run_id == record_one.mlflow_run_id
-    assert read_result(f"{worker['runs']}/{second.name}")["data_cursor"]["position"] == 4  # batches 3 and 4
+    assert read_result(f"{worker['runs']}/{second_name}")["data_cursor"]["position"] == 4  # batches 3 and 4
     client = MlflowClient()
-    for flow_run, record in ((first, record_one), (second, record_two)):
-        run = client.get_run(record.mlflow_run_id)
-        assert run.info.run_name == flow_run.name and run.info.status == "FINISHED"
+    one = client.get_model_version(lineage, "1")
+    assert one.tags["rlflow.promoted"].startswith("approved by a person: looked at it")
+    runs = [client.get_run(record.mlflow_run_id) for record in (record_one, record_two)]
+    assert runs[1].info.start_time >= runs[0].info.end_time  # the second trained only after the first published
+    for name, run in zip((first.name, second_name), runs):
+        assert run.info.run_name == name and run.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [1, 2]
-        assert run.data.tags["prefect.flow_run_id"] == str(flow_run.id)
+    assert runs[0].data.tags["prefect.flow_run_id"] == str(first.id)
 
 
 def wait_for_checkpoint(worker, run_name: str, step: int, timeout_s: float = 300) -> None:
