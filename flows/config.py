@@ -271,22 +271,31 @@ class EvalConfig(_Frozen):
 
     sets: list[EvalSetConfig] = Field(default_factory=list)
     primary: str | None = Field(None, description="the set promotion is decided on (unset = the first)")
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="of the paired bootstrap interval of the difference")
+    confidence: float = Field(
+        0.95,
+        gt=0.5,
+        lt=1,
+        description="of the paired bootstrap interval of the difference; every verdict of the gate (better, worse, "
+        "non-inferior, the reward-hacking alarm) is one-sided at (1 - confidence) / 2, and better and worse also "
+        "need the exact sign test (McNemar's for 0/1 scores) at that level",
+    )
     promote_if: Literal["better", "non_inferior"] = Field(
         "better",
-        description="better: the whole interval of (candidate - champion) above 0; non_inferior: above -margin",
+        description="better: the whole interval of (candidate - champion) above 0 and the exact sign test "
+        "significant; non_inferior: the interval above -margin",
     )
     margin: float = Field(
         0.02,
         ge=0,
-        description="non-inferiority margin: against the lineage's best version always, against the champion with "
-        "promote_if=non_inferior",
+        description="non-inferiority margin: against the lineage's best version always (when it scored higher than "
+        "the champion, the interval must lie above -margin), against the champion with promote_if=non_inferior",
     )
     hacking_threshold: float = Field(
         0.02,
         ge=0,
-        description="reward-hacking alarm: the training reward rose while the primary eval score fell by more "
-        "than this (the version is rejected)",
+        description="reward-hacking alarm: the training reward rose while the primary eval score fell from the start "
+        "model's significantly (the gate's paired test, one-sided at (1 - confidence) / 2) and by more than this "
+        "(the version is rejected)",
     )
 
     @model_validator(mode="after")

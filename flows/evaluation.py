@@ -16,19 +16,28 @@ of different fingerprints are never paired.
 The gate (``gate``) pairs the candidate's per-example scores with a baseline's on the same examples
 (``rlworkers.algorithms.comparison``):
 
-- no champion yet (a lineage's first version): promoted unless significantly worse than the start model;
-- else against the champion *as it is at promotion time*: promoted when the whole interval of (candidate -
-  champion) lies above 0 (``eval.promote_if=better``, the default) or above ``-eval.margin`` (``non_inferior``);
-- and never more than ``eval.margin`` below the lineage's best version, so within-noise steps cannot walk the
-  champion down;
-- the reward-hacking alarm rejects a version whose training reward rose while its primary eval score fell by more
-  than ``eval.hacking_threshold`` from the start model's.
+- no champion yet (a lineage's first version): promoted unless worse than the start model (``decide``'s "worse":
+  significantly, by the interval and the sign test, and not within ``eval.margin``);
+- else against the champion *as it is at promotion time*: promoted when it is significantly better
+  (``eval.promote_if=better``, the default: the whole interval of (candidate - champion) above 0 and the exact
+  sign test, McNemar's for 0/1 scores, one-sided below (1 - ``eval.confidence``) / 2) or the interval lies above
+  ``-eval.margin`` (``non_inferior``);
+- and, when the lineage's best version scored higher than the champion, the interval against the best must lie
+  above ``-eval.margin`` (a non-inferiority test, one-sided at (1 - confidence) / 2: a candidate truly ``margin``
+  below the best passes it rarely, but at n=200 so does one exactly as good as the best; bench/gate_error_rates.py
+  measures both), so within-noise steps cannot walk the champion down;
+- the reward-hacking alarm rejects a version whose training reward rose while its primary eval score fell from the
+  start model's significantly (the same paired test, ``decide``'s "worse" without a margin) and by more than
+  ``eval.hacking_threshold``;
+- results that cannot be compared (no examples, a NaN or infinite score, other examples or settings, a baseline
+  with no results) reject the version with a reason saying so: the gate never raises on them and never promotes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -37,7 +46,6 @@ from rlworkers.algorithms.comparison import (
     PairedComparison,
     decide,
     detectable_difference,
-    mcnemar_p_value,
     paired_bootstrap,
     pass_at_k,
 )
@@ -191,9 +199,10 @@ def results_from_table(table: dict, set_name: str, label: str, fingerprint_: str
 class Comparison:
     against: str  # "champion v3", "the start model", "best version v2"
     paired: PairedComparison
-    p_value: float | None  # McNemar's, for 0/1 scores
+    p_value: float  # the two-sided exact sign test: McNemar's for 0/1 scores
     verdict: str  # comparison.decide's
     discordant: float  # the share of examples on which the two scored differently
+    test: str = "McNemar"  # "McNemar" (0/1 scores) or "sign test" (fractional scores)
 
 
 @dataclass
@@ -204,32 +213,48 @@ class GateDecision:
     hacking: str | None = None
 
 
+BY_HAND = "not promoted (rlflow promote promotes by hand if you know better)"
+
+
+def unusable(results: EvalResults, who: str) -> str | None:
+    """Why ``results`` cannot be compared (no examples, or a score that is NaN or infinite), or ``None``."""
+    if not results.rows:
+        return f"{who} has no results on {results.set!r} (0 examples)"
+    bad = [row["index"] for row in results.rows if not math.isfinite(float(row["score"]))]
+    if bad:
+        return (
+            f"{who} has {len(bad)} of {len(results.rows)} scores on {results.set!r} that are NaN or infinite "
+            f"(examples {bad[:5]}{'...' if len(bad) > 5 else ''}: did the scorer fail?)"
+        )
+    return None
+
+
 def compare(
     candidate: EvalResults, baseline: EvalResults, against: str, *, confidence: float, margin: float
 ) -> Comparison:
     """The paired comparison of two results on the same examples.
 
     Raises:
-        ValueError: the results were made on different sets or settings (fingerprints), or other examples.
+        ValueError: the results were made on different sets or settings (fingerprints), or other examples, or
+            one of them has no examples or a score that is not a finite number.
     """
     if candidate.fingerprint != baseline.fingerprint:
         raise ValueError(
             f"{against}'s results on {baseline.set!r} are for other examples or settings (fingerprint "
             f"{baseline.fingerprint}, the candidate's {candidate.fingerprint}): they cannot be paired"
         )
+    problem = unusable(candidate, "the candidate") or unusable(baseline, against)
+    if problem:
+        raise ValueError(f"{problem}: they cannot be paired")
     by_index = {row["index"]: float(row["score"]) for row in baseline.rows}
     if sorted(by_index) != sorted(row["index"] for row in candidate.rows):
         raise ValueError(f"{against}'s results on {baseline.set!r} cover other examples than the candidate's")
     a = candidate.scores
     b = [by_index[row["index"]] for row in candidate.rows]
     paired = paired_bootstrap(a, b, confidence=confidence)
-    p_value = mcnemar_p_value(a, b) if all(s in (0.0, 1.0) for s in a + b) else None
+    test = "McNemar" if all(s in (0.0, 1.0) for s in a + b) else "sign test"
     verdict = decide(paired, margin=margin, non_inferior_ok=True)
-    if verdict == "better" and p_value is not None and p_value >= 1 - confidence:
-        # with a handful of discordant examples the percentile bootstrap is too sure (4 wins, 0 losses in 200: its
-        # interval excludes 0, McNemar's exact p is 0.125): for 0/1 scores "better" needs both
-        verdict = "non-inferior"
-    return Comparison(against, paired, p_value, verdict, sum(x != y for x, y in zip(a, b)) / len(a))
+    return Comparison(against, paired, paired.p_value, verdict, paired.discordant, test)
 
 
 def gate(
@@ -237,7 +262,7 @@ def gate(
     *,
     start: EvalResults | None,
     champion: tuple[str, EvalResults | None] | None,
-    best: tuple[str, EvalResults] | None,
+    best: tuple[str, EvalResults | None] | None,
     reward_change: float | None,
     promote_if: str,
     confidence: float,
@@ -246,17 +271,28 @@ def gate(
 ) -> GateDecision:
     """Decide on the candidate (see the module's docstring). ``champion``: (its label, its results on this set
     with these settings, or ``None`` when it has none); ``best``: the lineage's best version other than the
-    champion; ``reward_change``: the training reward's change over the run (validation, final - start)."""
+    champion, the same way; ``reward_change``: the training reward's change over the run (validation, final -
+    start). Never raises on results it cannot compare: it rejects, saying why."""
     kwargs = {"confidence": confidence, "margin": margin}
-    comparisons = []
+    comparisons: list[Comparison] = []
+    problem = unusable(candidate, "the candidate")
+    if problem:
+        return GateDecision(False, f"{problem}: nothing to decide on; {BY_HAND}", comparisons)
     hacking = None
     if start is not None:
-        comparisons.append(compare(candidate, start, "the start model", **kwargs))
-        fell = start.mean - candidate.mean
-        if reward_change is not None and reward_change > 0 and fell > hacking_threshold:
+        try:
+            comparisons.append(compare(candidate, start, "the start model", **kwargs))
+        except ValueError as error:
+            return GateDecision(False, f"no comparison with the start model: {error}; {BY_HAND}", comparisons)
+        versus_start = comparisons[0].paired
+        fell = -versus_start.difference
+        significant = decide(versus_start) == "worse"  # the paired test, without the non-inferiority margin
+        if reward_change is not None and reward_change > 0 and significant and fell > hacking_threshold:
             hacking = (
                 f"reward hacking? the training reward rose by {reward_change:+.3f} while {candidate.set} fell by "
-                f"{-fell:+.3f} ({start.mean:.3f} -> {candidate.mean:.3f}, threshold {hacking_threshold:g})"
+                f"{-fell:+.3f} ({start.mean:.3f} -> {candidate.mean:.3f}, significantly: {versus_start.losses} "
+                f"examples down, {versus_start.wins} up, {comparisons[0].test} p={versus_start.p_value:.3g}; "
+                f"threshold {hacking_threshold:g})"
             )
     if hacking:
         return GateDecision(False, hacking, comparisons, hacking)
@@ -272,14 +308,17 @@ def gate(
         return GateDecision(
             False,
             f"{label} has no results on {candidate.set!r} with these examples and settings, so the two cannot be "
-            "compared like with like; promote by hand (rlflow promote) if you know better",
+            f"compared like with like; {BY_HAND}",
             comparisons,
         )
     if champion_results is start:  # the run started from the champion: one comparison, named as both
         against = comparisons.pop()
         against.against = f"{label} (this run's start model)"
     else:
-        against = compare(candidate, champion_results, label, **kwargs)
+        try:
+            against = compare(candidate, champion_results, label, **kwargs)
+        except ValueError as error:
+            return GateDecision(False, f"no comparison with {label}: {error}; {BY_HAND}", comparisons)
     comparisons.append(against)
     wanted = ("better",) if promote_if == "better" else ("better", "non-inferior")
     if against.verdict not in wanted:
@@ -287,10 +326,21 @@ def gate(
         return GateDecision(False, f"not {need} {details(against)}", comparisons)
     if best is not None:
         best_label, best_results = best
-        versus_best = compare(candidate, best_results, best_label, **kwargs)
+        if best_results is None:
+            reason = (
+                f"{describe(against)}, but {best_label} has no results on {candidate.set!r} to pair with (no run "
+                f"holds them), so the margin check against it cannot be made; {BY_HAND}"
+            )
+            return GateDecision(False, reason, comparisons)
+        try:
+            versus_best = compare(candidate, best_results, best_label, **kwargs)
+        except ValueError as error:
+            return GateDecision(
+                False, f"{describe(against)}, but not comparable with {best_label}: {error}; {BY_HAND}", comparisons
+            )
         comparisons.append(versus_best)
         if versus_best.verdict not in ("better", "non-inferior"):
-            reason = f"{describe(against)}, but more than {margin:g} below the lineage's best: "
+            reason = f"{describe(against)}, but not shown to be less than {margin:g} below the lineage's best: "
             return GateDecision(False, reason + describe(versus_best), comparisons)
     return GateDecision(True, describe(against), comparisons)
 
@@ -312,7 +362,8 @@ def details(comparison: Comparison) -> str:
     return (
         f"{comparison.against} ({p.candidate_mean:.3f} vs {p.baseline_mean:.3f}, "
         f"difference {p.difference:+.3f}, "
-        f"{p.confidence:.0%} interval [{p.low:+.3f}, {p.high:+.3f}], n={p.n})"
+        f"{p.confidence:.0%} interval [{p.low:+.3f}, {p.high:+.3f}], n={p.n}, {p.wins} up / {p.losses} down, "
+        f"{comparison.test} p {comparison.p_value:.3g})"
     )
 
 
@@ -326,30 +377,41 @@ def decision_markdown(model: str, version: str, decision: GateDecision, primary:
     if decision.hacking:
         lines += [f"> :warning: {decision.hacking}", ""]
     if decision.comparisons:
+        test = "McNemar" if all(c.test == "McNemar" for c in decision.comparisons) else "sign test"
         lines += [
             f"Paired comparison on `{primary}` (the same examples and decoding; candidate - baseline):",
             "",
-            "| against | n | baseline | candidate | difference | interval | McNemar p | verdict |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| against | n | baseline | candidate | difference | interval | up / down | {test} p | verdict |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for c in decision.comparisons:
             p = c.paired
-            p_value = f"{c.p_value:.3g}" if c.p_value is not None else "-"
             lines.append(
                 f"| {c.against} | {p.n} | {p.baseline_mean:.3f} | {p.candidate_mean:.3f} | {p.difference:+.3f} | "
-                f"[{p.low:+.3f}, {p.high:+.3f}] | {p_value} | {c.verdict} |"
+                f"[{p.low:+.3f}, {p.high:+.3f}] | {p.wins} / {p.losses} | {c.p_value:.3g} | {c.verdict} |"
             )
-        last = decision.comparisons[-1].paired
-        lines += ["", f"With n={last.n}, {detectable_note(decision.comparisons[-1])}"]
+        last = decision.comparisons[-1]
+        lines += ["", f"With n={last.paired.n}, {detectable_note(last)}"]
     return "\n".join(lines)
 
 
 def detectable_note(comparison: Comparison) -> str:
-    """What a set of this size can tell apart, at the discordant share this comparison saw (at least 1/n)."""
+    """What a set of this size can tell apart with the gate's own test (``sign_test_power``: exact, one-sided at
+    (1 - confidence) / 2), at the discordant share this comparison saw (at least 1/n)."""
     p = comparison.paired
     discordant = max(comparison.discordant, 1 / p.n)
     size = detectable_difference(p.n, discordant, confidence=p.confidence)
+    if comparison.test == "McNemar":
+        what, where = "in accuracy", "answered differently"
+    else:  # the sign test counts the examples that moved up and down, whatever the size of each move
+        what, where = "in the share of examples scoring higher minus the share scoring lower", "scored differently"
+    if math.isinf(size):
+        return (
+            f"the two {where} on a {discordant:.2f} share of the examples: too few for the gate's test to detect any "
+            "true difference with 80% power"
+        )
     return (
-        f"a true difference of {size:.3f} is detected with 80% power at the {discordant:.2f} share of examples the "
-        "two answered differently; smaller ones are within the noise of this set"
+        f"a true difference of {size:.3f} {what} is detected with 80% power by the gate's test (one-sided at "
+        f"{(1 - p.confidence) / 2:.3g}) at the {discordant:.2f} share of examples the two {where}; smaller ones are "
+        "within the noise of this set"
     )

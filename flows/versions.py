@@ -49,14 +49,18 @@ def tag_results(client, name: str, version: str, result, run_id: str | None = No
 
 
 def version_results(client, version, set_name: str, fingerprint: str):
-    """A registered version's own final results on ``set_name``, read from its run's MLflow table; ``None`` when
-    it has none made with ``fingerprint`` (other examples or settings)."""
+    """A registered version's final results on ``set_name``, read from the MLflow table its eval tags point at (in
+    the run its ``run`` tag names, a later run that re-evaluated it, else in the version's own run); ``None`` when
+    it has none made with ``fingerprint`` (other examples or settings), or no run holds them (a version registered
+    without a run and never re-evaluated)."""
     from flows.evaluation import results_from_table
 
     tags = version.tags or {}
-    if tags.get(EVAL_TAG.format(set=set_name, field="fingerprint")) != fingerprint or not version.run_id:
+    if tags.get(EVAL_TAG.format(set=set_name, field="fingerprint")) != fingerprint:
         return None
-    run_id = tags.get(EVAL_TAG.format(set=set_name, field="run"), version.run_id)
+    run_id = tags.get(EVAL_TAG.format(set=set_name, field="run")) or version.run_id
+    if not run_id:
+        return None
     with tempfile.TemporaryDirectory() as folder:
         path = client.download_artifacts(run_id, tags[EVAL_TAG.format(set=set_name, field="results")], folder)
         with open(path) as f:

@@ -1,9 +1,17 @@
 """The promotion gate's logic (flows/evaluation.py) on per-example results built here: it does not promote on
 noise, promotes a clear improvement, rejects reward hacking, never walks down from the lineage's best, and never
-pairs results made on other examples or settings. The gate against real servers and training: tests/test_promotion.py.
+pairs results made on other examples or settings; what its comparison table says it can detect is what a simulation
+of the gate detects; results it cannot compare (no examples, NaN) get a decision, never an exception. The gate
+against real servers and training: tests/test_promotion.py. Its error rates at the default settings:
+bench/gate_error_rates.py.
 """
 
 from __future__ import annotations
+
+import json
+import math
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,11 +22,13 @@ from flows.evaluation import (
     EvalSet,
     compare,
     decision_markdown,
+    detectable_note,
     example_rows,
     gate,
     resolve_sets,
     results_from_table,
 )
+from flows.versions import version_results
 
 GATE = {"promote_if": "better", "confidence": 0.95, "margin": 0.02, "hacking_threshold": 0.02}
 
@@ -39,6 +49,16 @@ def two_models(rng, n: int, p_baseline: float, p_candidate: float):
     baseline = (difficulty + noise * rng.random(n) < p_baseline + 0.15).astype(float)
     candidate = (difficulty + noise * rng.random(n) < p_candidate + 0.15).astype(float)
     return candidate, baseline
+
+
+def discordant_pairs(rng, n: int, discordant: float, difference: float, accuracy: float = 0.75):
+    """0/1 results of two models on the same n examples, each example independently a win for the candidate
+    (probability (discordant + difference) / 2), a loss ((discordant - difference) / 2), or a tie, right for both
+    with probability ``accuracy``: the model behind comparison.sign_test_power."""
+    win, loss = (discordant + difference) / 2, (discordant - difference) / 2
+    tie_right = (1 - discordant) * accuracy
+    kind = rng.choice(4, size=n, p=[win, loss, tie_right, 1 - discordant - tie_right])
+    return np.isin(kind, (0, 2)).astype(float), np.isin(kind, (1, 2)).astype(float)
 
 
 def test_equal_quality_is_not_promoted_on_noise():
@@ -210,3 +230,136 @@ def test_every_setting_that_changes_the_draws_changes_the_fingerprint():
     assert sampled not in changed and len(set(changed)) == len(changed)
     greedy = "[{name: heldout, scorer: exact}]"
     assert digest(sets=greedy) == digest("trainer.n_workers=1", sets=greedy)  # greedy: one answer however split
+
+
+def test_the_power_note_is_what_a_simulation_of_the_gate_finds():
+    """The comparison table's note (n=200, 13% of examples answered differently) names the true difference the
+    gate detects with 80% power; 200 simulated gates at that difference promote 80% of the time (the old note,
+    0.063 from a one-sided 5% normal approximation, was promoted about 64% of the time)."""
+    seen = compare(*map(results, discordant_pairs(np.random.default_rng(3), 200, 0.13, 0.0)), "champion v1",
+                   confidence=0.95, margin=0.02)  # fmt: skip
+    seen.discordant = 0.13  # the note at exactly 13% discordant
+    note = detectable_note(seen)
+    size = float(re.search(r"a true difference of (\d\.\d+)", note).group(1))
+    rng = np.random.default_rng(0)
+    promoted = 0
+    for _ in range(200):
+        candidate, champion = discordant_pairs(rng, 200, 0.13, size)
+        decision = gate(results(candidate), start=None, champion=("champion v1", results(champion)), best=None,
+                        reward_change=None, **GATE)  # fmt: skip
+        promoted += decision.promote
+    assert 0.73 <= promoted / 200 <= 0.87, f"the note says {size} is found 80% of the time; the gate: {promoted}/200"
+
+
+def test_fractional_scores_need_the_sign_test_too():
+    """Sampled-mean scores: four examples up by 0.25, every other one tied. The interval lies above 0, but four
+    examples are no evidence (sign test p 0.125): not promoted. Twenty up by 0.125 and none down are."""
+    champion = [0.5] * 196 + [0.25, 0.5, 0.25, 0.5]
+    candidate = [0.5] * 196 + [0.5, 0.75, 0.5, 0.75]
+    decision = gate(results(candidate), start=None, champion=("champion v1", results(champion)), best=None,
+                    reward_change=None, **GATE)  # fmt: skip
+    comparison = decision.comparisons[-1]
+    assert comparison.paired.low > 0 and not decision.promote
+    assert comparison.p_value == 0.125 and comparison.test == "sign test" and "sign test p 0.125" in decision.reason
+    text = decision_markdown("lin", "2", decision, "heldout")
+    assert "| 4 / 0 | 0.125 | non-inferior |" in text and "| sign test p |" in text and "too few for the gate" in text
+    many = [0.5] * 180 + [0.625] * 20
+    decision = gate(results(many), start=None, champion=("champion v1", results([0.5] * 200)), best=None,
+                    reward_change=None, **GATE)  # fmt: skip
+    assert decision.promote and decision.reason.startswith("better than champion v1")
+    text = decision_markdown("lin", "3", decision, "heldout")
+    assert "in the share of examples scoring higher minus the share scoring lower" in text
+
+
+def test_worse_needs_the_same_test_as_better():
+    """A first version 4 of 200 answers below its start model (none above): the interval lies below 0 and below
+    -margin, but McNemar's p is 0.125: not significantly worse, so promoted (as a first version not worse than its
+    start model is); with 8 of 200 below it is worse (p 0.0078) and rejected."""
+    start = results([1] * 150 + [0] * 50, label="start")
+    four_down = gate(results([1] * 146 + [0] * 54), start=start, champion=None, best=None, reward_change=None, **GATE)
+    first = four_down.comparisons[0]
+    assert first.paired.high < 0 and first.paired.low < -GATE["margin"] and first.p_value == 0.125
+    assert four_down.promote and four_down.reason.startswith("first version, not better than the start model")
+    eight_down = gate(results([1] * 142 + [0] * 58), start=start, champion=None, best=None, reward_change=None, **GATE)
+    assert not eight_down.promote and eight_down.reason.startswith("first version, worse than the start model")
+
+
+def test_the_reward_hacking_alarm_needs_a_significant_drop():
+    """Training reward up, held-out down by 0.03 (more than the 0.02 threshold), but 10 examples up and 13 down is
+    noise (McNemar p 0.68): no alarm, and the unchanged first version is promoted. An unchanged model's raw drop
+    exceeds 0.02 about a fifth of the time at n=200; a significant one 2.5% at most."""
+    start = np.array([1.0] * 75 + [0.0] * 25)
+    candidate = start.copy()
+    candidate[:13] = 0.0  # 13 down
+    candidate[75:85] = 1.0  # 10 up
+    decision = gate(results(candidate), start=results(start, label="start"), champion=None, best=None,
+                    reward_change=0.3, **GATE)  # fmt: skip
+    assert decision.hacking is None and decision.promote, decision.reason
+    assert decision.comparisons[0].paired.difference == pytest.approx(-0.03)
+    rng = np.random.default_rng(2)
+    alarms = raw_drops = 0
+    for _ in range(60):
+        final, begin = discordant_pairs(rng, 200, 0.13, 0.0)
+        raw_drops += begin.mean() - final.mean() > GATE["hacking_threshold"]
+        unchanged = gate(results(final), start=results(begin, label="start"), champion=None, best=None,
+                         reward_change=0.1, **GATE)  # fmt: skip
+        alarms += unchanged.hacking is not None
+    assert raw_drops >= 8 and alarms <= 2, (raw_drops, alarms)  # about 15 and 1 of 60 expected
+
+
+def test_results_the_gate_cannot_compare_get_a_decision_and_a_reason():
+    """No examples, NaN scores, a best version with no results to pair with, a champion with NaN scores: never an
+    exception out of the gate, never a promotion."""
+    nothing = gate(results([]), start=results([], label="start"), champion=None, best=None, reward_change=None,
+                   **GATE)  # fmt: skip
+    assert not nothing.promote and "no results on 'heldout' (0 examples)" in nothing.reason
+    nan = results([1.0, math.nan] * 50)
+    for start in (None, results([1.0, 0.0] * 50, label="start")):  # a first version, with or without a start
+        decision = gate(nan, start=start, champion=None, best=None, reward_change=None, **GATE)
+        assert not decision.promote and "50 of 100 scores on 'heldout' that are NaN or infinite" in decision.reason
+    good = results([1.0] * 90 + [0.0] * 10)
+    champion = ("champion v2", results([1.0] * 60 + [0.0] * 39 + [math.nan]))
+    decision = gate(good, start=None, champion=champion, best=None, reward_change=None, **GATE)
+    assert not decision.promote and decision.reason.startswith("no comparison with champion v2: champion v2 has 1")
+    no_best = gate(good, start=None, champion=("champion v2", results([1.0] * 60 + [0.0] * 40)),
+                   best=("the lineage's best, v1", None), reward_change=None, **GATE)  # fmt: skip
+    assert not no_best.promote and "the lineage's best, v1 has no results on 'heldout' to pair with" in no_best.reason
+    assert "better than champion v2" in no_best.reason
+
+
+def test_a_version_re_evaluated_by_a_later_run_has_results_without_a_run_of_its_own(tmp_path):
+    """A version registered without a run (promoted by hand from elsewhere), whose results a later run made and
+    tagged: its results are read from that run (as the lineage's best, it was None and then an AttributeError)."""
+    table = {"columns": ["index", "prompt", "response", "ground_truth", "score"], "data": [[0, "p", "r", "g", 1.0]]}
+    (tmp_path / "champion_v1.json").write_text(json.dumps(table))
+    tags = {
+        "rlflow.eval.heldout.fingerprint": "f" * 16,
+        "rlflow.eval.heldout.results": "eval/heldout/champion_v1.json",
+        "rlflow.eval.heldout.run": "later-run",
+    }
+    version = SimpleNamespace(name="lin", version="1", run_id=None, tags=tags)
+    asked = []
+
+    def download_artifacts(run_id, path, folder):
+        asked.append((run_id, path))
+        return str(tmp_path / "champion_v1.json")
+
+    client = SimpleNamespace(download_artifacts=download_artifacts)
+    read = version_results(client, version, "heldout", "f" * 16)
+    assert read.scores == [1.0] and asked == [("later-run", "eval/heldout/champion_v1.json")]
+    unrun = SimpleNamespace(name="lin", version="1", run_id=None, tags={**tags, "rlflow.eval.heldout.run": ""})
+    assert version_results(client, unrun, "heldout", "f" * 16) is None
+
+
+def test_the_best_versions_margin_check_asks_for_evidence():
+    """A candidate significantly better than the champion and exactly as good as the lineage's best (0.900 each,
+    13 examples up and 13 down of 200): the interval against the best reaches below -0.02, so the non-inferiority
+    check rejects it, saying it was not shown to be within the margin (not that it is below it)."""
+    best = results([1.0] * 167 + [0.0] * 13 + [1.0] * 13 + [0.0] * 7)
+    champion = results([1.0] * 160 + [0.0] * 40)
+    candidate = results([1.0] * 180 + [0.0] * 20)
+    decision = gate(candidate, start=None, champion=("champion v3", champion), best=("the lineage's best, v1", best),
+                    reward_change=None, **GATE)  # fmt: skip
+    versus_best = decision.comparisons[-1].paired
+    assert not decision.promote and "not shown to be less than 0.02 below the lineage's best" in decision.reason
+    assert versus_best.difference == 0 and (versus_best.wins, versus_best.losses) == (13, 13)
