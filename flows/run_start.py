@@ -31,7 +31,7 @@ from rlworkers.checkpoint import (
     write_json,
 )
 from rlworkers.data.batching import TokenCache
-from rlworkers.data.chat import is_chat
+from rlworkers.data.chat import conversation_as_prompt, is_chat
 from rlworkers.data.datasets import PromptDataLoader
 from rlworkers.models import lora
 from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_model_path
@@ -177,7 +177,9 @@ def check_rows_fit(config: RLConfig, algorithm: str, tokenizer, model_dir: str, 
     template when SFT rows hold chat messages (prompts are checked when they are tokenized above)."""
     if config.reward.reward_model is None:
         reward_fn = load_reward_fn(config.reward.reward_fn)
-        for split, rows in (("train", train_rows), ("validation", val_rows)):
+        data = config.data  # validation asks an SFT conversation's last question, its answer the ground truth
+        validated = [conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in val_rows]
+        for split, rows in (("train", train_rows), ("validation", validated)):
             if split == "validation" or algorithm != "sft":
                 check_ground_truth(config, reward_fn, rows, split)
     if algorithm == "sft" and not getattr(tokenizer, "chat_template", None):
