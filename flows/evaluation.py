@@ -42,6 +42,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from flows.config import EvalSetConfig, RLConfig, metric_k
+from flows.rows import chat_template_kwargs
 from rlworkers.algorithms.comparison import (
     PairedComparison,
     decide,
@@ -129,8 +130,10 @@ def fingerprint(config: RLConfig, rows: list[dict], scorer: str, spec: EvalSetCo
         "response_length": config.rollout.response_length,
         "max_prompt_length": config.data.max_prompt_length,
         "truncation": config.data.truncation,
-        "chat_template_kwargs": config.data.apply_chat_template_kwargs,
+        "chat_template_kwargs": chat_template_kwargs(config),
     }
+    if config.rollout.multi_turn.enable:  # an agent's results depend on its tools, environment and turns
+        settings["multi_turn"] = config.rollout.multi_turn.model_dump()
     if spec and spec.metric != "mean":
         settings["metric"] = spec.metric
     if spec and spec.decoding == "sampled":  # the draws also depend on how the examples are split over workers

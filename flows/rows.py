@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from flows.config import RLConfig
@@ -39,9 +40,30 @@ def read_rows(config: RLConfig, files: list[str], tokenizer=None, keys: dict | N
     ``keys``: the built-in task's columns instead of ``data.prompt_key`` / ``data.messages_key``."""
     data = config.data
     limit = {"tokenizer": tokenizer, "max_prompt_length": data.max_prompt_length} if tokenizer else {}
-    formats = {"truncation": data.truncation, "chat_template_kwargs": data.apply_chat_template_kwargs}
+    formats = {"truncation": data.truncation, "chat_template_kwargs": chat_template_kwargs(config)}
     keys = keys or {"prompt_key": data.prompt_key, "conversation_key": data.messages_key}
     return load_prompt_dataset(files, **keys, **limit, **formats)
+
+
+def chat_template_kwargs(config: RLConfig) -> dict:
+    """What prompts are rendered with: ``data.apply_chat_template_kwargs``, and the run's tools as ``tools`` (OpenAI
+    schemas) when it has some (``rollout.multi_turn``): the template shows them to the model, or, when it ignores
+    them, the system message does (``rlworkers.data.chat.with_tools``)."""
+    kwargs = dict(config.data.apply_chat_template_kwargs)
+    multi_turn = config.rollout.multi_turn
+    if multi_turn.enable and (multi_turn.tools or multi_turn.tool_config_path):
+        kwargs["tools"] = tool_schemas(tuple(multi_turn.tools), multi_turn.tool_config_path)
+    return kwargs
+
+
+@functools.lru_cache(maxsize=4)
+def tool_schemas(specs: tuple[str, ...], tool_config_path: str | None) -> list[dict]:
+    """The schemas of the tools the specs and the tool config name (loaded here for their schemas only: they run in
+    the rollout workers)."""
+    from rlworkers.tools.loading import load_tools, tools_from_config
+
+    tools = load_tools(list(specs)) + (tools_from_config(tool_config_path) if tool_config_path else [])
+    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools]
 
 
 def check_ground_truth(config: RLConfig, reward_fn, rows: list[dict], split: str) -> None:

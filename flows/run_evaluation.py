@@ -12,6 +12,7 @@ import numpy as np
 
 from flows import evaluation, lineage, stages
 from flows.groups import build_group, release_group
+from rlworkers.agents.trajectory import trajectory_text
 from rlworkers.data.batching import decode_responses
 from rlworkers.data.chat import conversation_as_prompt
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -40,7 +41,7 @@ def validate(run, step: int) -> dict[str, float]:
         metrics[f"val/{source or 'default'}/score/mean"] = float(np.mean(scores[mask]))
     response_mask = out.batch["response_mask"]
     metrics["val/response_length/clip_ratio"] = float((response_mask.sum(-1) == response_mask.shape[-1]).float().mean())
-    for key in sorted(k for k in out.non_tensor_batch if k.startswith("reward_extra/")):
+    for key in sorted(k for k in out.non_tensor_batch if k.startswith(("reward_extra/", "agent/"))):
         metrics[f"val/{key}/mean"] = float(np.nanmean(out.non_tensor_batch[key].astype(float)))
     run.warn_if_clipped(f"validation at step {step}", metrics["val/response_length/clip_ratio"])
     responses = decode_responses(out, run.tokenizer)
@@ -48,6 +49,8 @@ def validate(run, step: int) -> dict[str, float]:
     samples = [
         {"step": step, "prompt": p, "response": r, "ground_truth": g, "score": float(s)} for p, r, g, s in columns
     ][: run.config.trainer.log_samples]
+    for sample, messages in zip(samples, out.non_tensor_batch.get("trajectory", [])):  # multi-turn: every turn
+        sample["trajectory"] = trajectory_text(messages)
     if samples:
         run.tracker.log_table(samples, f"samples/step_{step:06d}.json")
     run.tracker.log_metrics(metrics, step)

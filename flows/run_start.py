@@ -15,7 +15,7 @@ from prefect import get_run_logger
 from flows import evaluation, lineage
 from flows.config import RLConfig, flatten, runs_root
 from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
-from flows.rows import check_ground_truth, dataset_rows, read_rows, row_location
+from flows.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
 from flows.run_checkpoints import checkpoint_root, restore
 from flows.run_lock import one_run_at_a_time
 from flows.runtime import Run, TerminalProgress
@@ -111,6 +111,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
     train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
     eval_sets = evaluation.resolve_sets(config, val_rows, lambda files: read_rows(config, files, checked))
     check_rows_fit(config, algorithm, tokenizer, model_dir, train_rows, val_rows)
+    check_agent_fits(config, tokenizer, model_dir, train_rows, val_rows)
     for eval_set in eval_sets:  # a scorer that does not load fails here, before any worker starts
         if eval_set.scorer is not None:
             RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
@@ -191,6 +192,33 @@ def check_rows_fit(config: RLConfig, algorithm: str, tokenizer, model_dir: str, 
                     f"{row_location(config, 'train', index)}: column {column!r} holds chat messages and the "
                     f"tokenizer of {model_dir} has no chat template to render them. Fix: a chat model (or a "
                     "tokenizer with a chat_template), or prompt/response strings"
+                )
+
+
+def check_agent_fits(config: RLConfig, tokenizer, model_dir: str, train_rows, val_rows) -> None:
+    """A multi-turn run (``rollout.multi_turn``), checked before anything starts: its tools and environment load,
+    the tokenizer has a chat template to render the turns, and every prompt is chat messages."""
+    multi_turn = config.rollout.multi_turn
+    if not multi_turn.enable:
+        return
+    from rlworkers.agents.environment import load_environment_class
+
+    chat_template_kwargs(config)  # loads the tools (their schemas): a bad spec or tool config fails here
+    if multi_turn.environment:
+        load_environment_class(multi_turn.environment)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"rollout.multi_turn needs a chat template to render the turns, and the tokenizer of {model_dir} has none. "
+            "Fix: a chat (instruct) model, e.g. model.path=smollm2-135m-instruct"
+        )
+    key = config.data.prompt_key
+    for split, rows in (("train", train_rows), ("validation", val_rows)):
+        for index, row in enumerate(rows):
+            if not is_chat(row.get(key)):
+                raise ValueError(
+                    f"{row_location(config, split, index)}: column {key!r} is a string; rollout.multi_turn continues "
+                    "a conversation, so prompts must be chat messages ([{'role': 'user', 'content': ...}]). Fix: "
+                    "store the prompts as messages (data.task.prompt_format=chat for the built-in task)"
                 )
 
 

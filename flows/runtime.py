@@ -22,6 +22,7 @@ from flows import evaluation, lineage, run_checkpoints, run_evaluation
 from flows.config import RLConfig
 from flows.groups import release_group
 from flows.recovery import recover
+from flows.rows import chat_template_kwargs
 from flows.run_publish import publish
 from flows.tracking import ProgressArtifact, Tracker
 from rlworkers.data.batching import prompt_batch, sft_batch
@@ -107,7 +108,7 @@ class Run:
             answer_key=data.answer_key,
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,
-            chat_template_kwargs=data.apply_chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs(self.config),
         )
 
     def next_sft_batch(self):
@@ -118,7 +119,7 @@ class Run:
             prompt_key=data.prompt_key,
             response_key=data.response_key,
             conversation_key=data.messages_key,
-            chat_template_kwargs=data.apply_chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs(self.config),
         )
 
     # ------------------------------------------------------------------------------------------ per step

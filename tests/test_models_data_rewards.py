@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlworkers.data import PromptDataLoader, ensure_addition_dataset, load_prompt_dataset, make_addition_dataset
-from rlworkers.data.batching import TokenCache, _left_pad, decode_responses, prompt_batch, sft_batch
+from rlworkers.data.batching import TokenCache, decode_responses, left_pad, prompt_batch, sft_batch
 from rlworkers.models import create_tiny_model, ensure_tiny_model, load_model_and_tokenizer
 from rlworkers.protocol import DataProto
 from rlworkers.rewards import (
@@ -281,7 +281,7 @@ def test_loader_resume_yields_the_same_next_batch():
 def test_batches_are_left_padded_with_hand_values(tiny):
     _, tokenizer = tiny
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids, mask = _left_pad([[5, 6, 7], [8], []], pad)
+    ids, mask = left_pad([[5, 6, 7], [8], []], pad)
     assert ids.tolist() == [[5, 6, 7], [pad, pad, 8], [pad, pad, pad]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
 

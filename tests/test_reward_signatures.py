@@ -16,7 +16,7 @@ import torch
 
 from rlworkers.algorithms.batch_ops import compute_data_metrics
 from rlworkers.algorithms.core_algos import compute_token_level_scores
-from rlworkers.data.batching import _left_pad, prompt_batch
+from rlworkers.data.batching import left_pad, prompt_batch
 from rlworkers.models.tiny import ensure_tiny_model
 from rlworkers.protocol import DataProto
 from rlworkers.rewards import (
@@ -68,7 +68,7 @@ def verl_rows() -> list[dict]:
 def rolled_out(tokenizer, rows: list[dict], responses: list[str]) -> DataProto:
     """A generated batch as ``generate_sequences`` returns it (``rollout_output``): the prompt and response tensors,
     and the prompt batch's non-tensor columns as object arrays (dict columns stay dicts)."""
-    prompt_ids, prompt_mask = _left_pad([tokenizer(row["raw_prompt"])["input_ids"] for row in rows], 0)
+    prompt_ids, prompt_mask = left_pad([tokenizer(row["raw_prompt"])["input_ids"] for row in rows], 0)
     response_ids = [
         tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in responses
     ]

@@ -71,6 +71,8 @@ def apply_bypass_mode(data: DataProto) -> DataProto:
 
 def compute_data_metrics(data: DataProto) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of one step's batch (verl's metric names), and
+    ``agent/<name>/mean`` for a multi-turn rollout's per-trajectory numbers (turns, tool calls and errors by kind,
+    tool seconds, the share cut by the token budget: ``rlworkers.workers.rollout.agent_loop``), and
     ``reward_extra/<key>/mean`` for each non-tensor column ``reward_extra/<key>`` a reward function's extra values
     became (NaN rows, those without the key, left out; a column with no value gives no metric)."""
     batch = data.batch
@@ -96,6 +98,8 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
     add("prompt_length", batch["attention_mask"][:, : batch["prompts"].shape[-1]].sum(-1))
     if "entropys" in batch.keys():
         metrics["actor/entropy_rollout"] = masked_mean(batch["entropys"], mask.float()).item()
+    for key in sorted(k for k in data.non_tensor_batch if k.startswith("agent/")):  # multi-turn rollouts' numbers
+        metrics[f"{key}/mean"] = float(np.mean(np.asarray(data.non_tensor_batch[key], dtype=np.float64)))
     for key in sorted(k for k in data.non_tensor_batch if k.startswith("reward_extra/")):
         values = np.asarray(data.non_tensor_batch[key], dtype=np.float64)
         if not np.isnan(values).all():

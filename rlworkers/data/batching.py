@@ -26,7 +26,7 @@ def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.clip(torch.cumsum(mask, dim=-1) - 1, min=0)
 
 
-def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, mask)``, both ``[B, longest]``: every sequence right-aligned after ``pad_id``s (mask 0 there)."""
     lengths = torch.tensor([len(seq) for seq in sequences])
     width = int(lengths.max()) if len(sequences) else 0
@@ -115,7 +115,7 @@ def prompt_batch(
     """Tokenise prompts (chat messages through the chat template; left-padded) and carry every column of the rows."""
     texts, encoded = prompt_token_ids([row[prompt_key] for row in rows], tokenizer, chat_template_kwargs)
     encoded = [fit_prompt(ids, max_prompt_length, truncation, i) for i, ids in enumerate(encoded)]
-    input_ids, attention_mask = _left_pad(encoded, tokenizer.pad_token_id)
+    input_ids, attention_mask = left_pad(encoded, tokenizer.pad_token_id)
     columns = {key for row in rows for key in row if key not in BATCH_COLUMNS}
     non_tensors = {key: [row.get(key) for row in rows] for key in sorted(columns)}
     non_tensors.update(
@@ -163,8 +163,8 @@ def sft_batch(
             ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
         sequences.append(ids)
         loss_masks.append(mask)
-    input_ids, attention_mask = _left_pad(sequences, tokenizer.pad_token_id)
-    loss_mask, _ = _left_pad(loss_masks, 0)
+    input_ids, attention_mask = left_pad(sequences, tokenizer.pad_token_id)
+    loss_mask, _ = left_pad(loss_masks, 0)
     return DataProto.from_dict(
         {
             "input_ids": input_ids,

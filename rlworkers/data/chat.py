@@ -13,6 +13,9 @@ the loss targets, everything else (system, user, the template's role headers) as
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
+
+from rlworkers.tools.parsing import template_supports_tools, tools_system_prompt
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -65,6 +68,25 @@ def plain_messages(messages: Sequence[dict]) -> list[dict]:
     return [{k: v for k, v in message.items() if v is not None} for message in messages]
 
 
+def with_tools(messages: list[dict], tokenizer, chat_template_kwargs: dict | None) -> tuple[list[dict], dict]:
+    """``(messages, chat_template_kwargs)`` to render: ``tools`` (OpenAI tool schemas) stay in the kwargs for a
+    template that renders them; for one that ignores them (SmolLM2's ChatML) they are described in the system
+    message instead (``rlworkers.tools.parsing.tools_system_prompt``), after the conversation's own system message
+    when it has one."""
+    kwargs = dict(chat_template_kwargs or {})
+    if not kwargs.get("tools") or _renders_tools(tokenizer.chat_template, tokenizer):
+        return messages, kwargs
+    described = tools_system_prompt(kwargs.pop("tools"))
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]], kwargs
+    return [{"role": "system", "content": described}, *messages], kwargs
+
+
+@lru_cache(maxsize=8)
+def _renders_tools(chat_template: str, tokenizer) -> bool:
+    return template_supports_tools(tokenizer)
+
+
 def render_prompt(prompt, tokenizer, chat_template_kwargs: dict | None = None) -> str:
     """The text a prompt is tokenized from: a string as it is; chat messages through the chat template with the
     generation prompt appended.
@@ -75,9 +97,8 @@ def render_prompt(prompt, tokenizer, chat_template_kwargs: dict | None = None) -
     if not is_chat(prompt):
         return prompt
     _require_template(tokenizer)
-    return tokenizer.apply_chat_template(
-        plain_messages(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-    )
+    messages, kwargs = with_tools(plain_messages(prompt), tokenizer, chat_template_kwargs)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
 def prompt_token_ids(
@@ -111,8 +132,7 @@ def conversation_tokens(
             prefix of the longer one (the message says which turn).
     """
     _require_template(tokenizer)
-    messages = plain_messages(messages)
-    kwargs = chat_template_kwargs or {}
+    messages, kwargs = with_tools(plain_messages(messages), tokenizer, chat_template_kwargs)
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(

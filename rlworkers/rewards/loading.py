@@ -17,14 +17,10 @@ wrapped into rlflow's batch signature.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import logging
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
+from rlworkers.loading import UserCodeNotFoundError, import_module_named, load_file_module
 from rlworkers.rewards.registry import (
     _STYLE_NAMES,
     REWARD_FUNCTIONS,
@@ -71,7 +67,10 @@ def load_reward_fn(spec: str | Callable) -> RewardFn:
     target, function_name = spec.rsplit(":", 1)
     if not function_name.isidentifier():
         raise _bad_spec(spec, f"{function_name!r} is not a function name")
-    module = _load_file(spec, target) if target.endswith(".py") else _import_module(spec, target)
+    try:
+        module = load_file_module(target, "reward", spec) if target.endswith(".py") else import_module_named(target)
+    except UserCodeNotFoundError as e:
+        raise _bad_spec(spec, str(e)) from e
     fn = getattr(module, function_name, None)
     if fn is None:
         raise _bad_spec(spec, f"{target!r} has no attribute {function_name!r}")
@@ -81,38 +80,6 @@ def load_reward_fn(spec: str | Callable) -> RewardFn:
     wrapped = as_batch_reward_fn(fn)
     logger.info("loaded reward function %s with %s", spec, _STYLE_NAMES[reward_fn_style(fn)])
     return wrapped
-
-
-def _load_file(spec: str, file: str):
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise _bad_spec(spec, f"file {str(path)!r} does not exist")
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
-    name = f"_rlflow_reward_{path.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    # The module sits in sys.modules only while it runs (dataclasses and typing look it up there). Left out
-    # afterwards, cloudpickle ships its functions to Ray workers by value, where the file path may not exist.
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        e.add_note(f"while loading reward file {str(path)!r} for spec {spec!r}")
-        raise
-    finally:
-        sys.modules.pop(name, None)
-    return module
-
-
-def _import_module(spec: str, module_name: str):
-    if not all(part.isidentifier() for part in module_name.split(".")):
-        raise _bad_spec(spec, f"{module_name!r} is neither a .py file nor a dotted module name")
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):  # the named module itself is missing, not its imports
-            raise _bad_spec(spec, f"module {module_name!r} cannot be imported ({e})") from e
-        raise
 
 
 def _remember_spec(fn: Callable, spec: str) -> None:

@@ -43,7 +43,8 @@ A row without a ground truth is refused before a run starts when the reward comp
 default (``ground_truth=None`` says the function copes without one). rlflow's batch signature is not checked unless
 the function says it needs one (``fn.needs_ground_truth = True``; ``False`` turns the check off for any function).
 
-Registered names: "exact", "gsm8k", "last_number", "format", and "auto" (per row, by the ``data_source`` column,
+Registered names: "exact", "gsm8k", "last_number", "format", "environment" (a multi-turn rollout's environment and
+tool rewards, its ``agent/reward`` column), and "auto" (per row, by the ``data_source`` column,
 through DATA_SOURCE_DEFAULTS). rlworkers.rewards.loading resolves a reward spec to a function, and
 rlworkers.rewards.scoring calls one and checks its result.
 """
@@ -120,6 +121,17 @@ def per_sample(score_fn: Callable[[str, str], float], name: str) -> RewardFn:
     reward_fn.__name__ = reward_fn.__qualname__ = f"{name}_reward"
     reward_fn.needs_ground_truth = True
     return reward_fn
+
+
+def environment_reward(prompts: list[str], responses: list[str], **columns) -> list[float]:
+    """A multi-turn rollout's own reward (``agent/reward``: its environment's step rewards plus its tools'
+    ``calc_reward``, see ``rlworkers.workers.rollout.agent_loop``)."""
+    if "agent/reward" not in columns:
+        raise ValueError(
+            "reward 'environment' scores multi-turn rollouts by their agent/reward column, which this batch has not: "
+            "set rollout.multi_turn.enable=true with an environment or tools, or choose another reward"
+        )
+    return [float(reward) for reward in columns["agent/reward"]]
 
 
 def _format_batch(prompts: list[str], responses: list[str], **columns) -> list[float]:
@@ -241,6 +253,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "gsm8k": per_sample(gsm8k_reward, "gsm8k"),
     "last_number": per_sample(last_number_reward, "last_number"),
     "format": _format_batch,
+    "environment": environment_reward,
 }
 
 # data_source value -> registered reward name, used by "auto".

@@ -36,7 +36,7 @@ from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
 from rlworkers.workers import common
 from rlworkers.workers.config import WorkerConfig
-from rlworkers.workers.rollout import build_rollout
+from rlworkers.workers.rollout import build_rollout, sampling_request
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,11 @@ class ActorRolloutRefWorker(Worker):
             self.policy_loss_fn = core_algos.get_policy_loss_fn(cfg.actor.policy_loss)
         if self._is_rollout:
             self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, self.base_path)
+            self.agent_loop = None
+            if cfg.rollout.multi_turn.enable:  # several turns with tools / an environment (rlworkers.agents)
+                from rlworkers.workers.rollout.agent_loop import build_agent_loop
+
+                self.agent_loop = build_agent_loop(cfg.rollout.multi_turn, self.tokenizer)
         if self._is_ref and not (self.lora and (self._is_actor or self._is_rollout)):
             # with LoRA the reference is the base: the policy's own module with its adapter disabled, or here alone
             self.ref_model = self._load(self.base_path if self.lora else path).to(self.device)
@@ -117,7 +122,14 @@ class ActorRolloutRefWorker(Worker):
         hf = self.config.rollout.name == "hf"  # vLLM runs its own kernels in the model's dtype
         prompts = common.to_device(prompts, self.device)
         with self._autocast() if hf else contextlib.nullcontext(), self._own_random_state(prompts) as prompts:
-            return self.rollout.generate_sequences(prompts).to("cpu")
+            if self.agent_loop is None:
+                return self.rollout.generate_sequences(prompts).to("cpu")
+            request = sampling_request(prompts, self.config.rollout)  # several turns, tools between them
+            return self.agent_loop.generate_sequences(
+                request.prompts,
+                request.response_length,
+                lambda contexts, budgets: self.rollout.generate_turns(contexts, budgets, request),
+            ).to("cpu")
 
     @contextlib.contextmanager
     def _own_random_state(self, prompts: DataProto):

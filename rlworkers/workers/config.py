@@ -62,6 +62,39 @@ class OptimConfig(_Frozen):
     )
 
 
+class MultiTurnConfig(_Frozen):
+    """Multi-turn rollouts with tools and an environment (``rollout.agent_loop``); verl's ``rollout.multi_turn``
+    names where they overlap. ``rollout.response_length`` is then the budget of a whole trajectory after the prompt
+    (the model's turns and the tool results / observations between them), as in verl."""
+
+    enable: bool = False
+    tools: list[str] = Field(
+        default_factory=list, description="typed Python functions as tools: 'file.py:function' or 'module:function'"
+    )
+    tool_config_path: str | None = Field(None, description="verl's tool config YAML (tools: [{class_name, ...}])")
+    environment: str | None = Field(
+        None, description="an environment class ('file.py:Class' or 'module:Class'): reset(row), step(message)"
+    )
+    max_assistant_turns: int = Field(4, gt=0, description="model turns per trajectory")
+    max_user_turns: int | None = Field(None, gt=0, description="environment observations per trajectory")
+    max_turn_tokens: int | None = Field(
+        None, gt=0, description="new tokens of one model turn (unset: what is left of rollout.response_length)"
+    )
+    max_parallel_calls: int = Field(1, gt=0, description="tool calls of one turn that run (later ones are dropped)")
+    max_tool_response_length: int = Field(256, gt=0, description="characters of a tool result the model sees")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    tool_timeout_s: float = Field(10.0, gt=0, description="time limit of one tool call")
+    format: Literal["hermes"] = Field("hermes", description="tool-call format: <tool_call>{json}</tool_call>")
+
+    @model_validator(mode="after")
+    def _check_something_to_do(self):
+        if self.enable and not (self.tools or self.tool_config_path or self.environment):
+            raise ValueError(
+                "rollout.multi_turn.enable=true needs rollout.multi_turn.tools, .tool_config_path or .environment"
+            )
+        return self
+
+
 class RolloutConfig(_Frozen):
     name: Literal["hf", "vllm"] = "hf"
     temperature: float = Field(1.0, gt=0)
@@ -77,6 +110,7 @@ class RolloutConfig(_Frozen):
     enforce_eager: bool | None = Field(None, description="no CUDA graphs; default True on CPU, False on CUDA")
     free_cache_engine: bool = Field(True, description="CUDA: sleep the engine while the actor trains")
     max_model_len: int | None = Field(None, gt=0, description="default: prompt width + response_length, >= 1024")
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
 
     @model_validator(mode="after")
     def _check_backend_options(self):

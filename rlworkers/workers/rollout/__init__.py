@@ -27,6 +27,16 @@ class SamplingRequest:
     response_length: int
 
 
+@dataclass(frozen=True)
+class TurnOutput:
+    """One multi-turn trajectory's new turn from a backend's ``generate_turns`` (``rollout.agent_loop``): the
+    sampled ids (ending with the stop token when it stopped) and their log-probs under the sampling distribution."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    stopped: bool  # ended with a stop token; False: the token budget ran out mid-turn
+
+
 def sampling_request(prompts: DataProto, config) -> SamplingRequest:
     meta = prompts.meta_info
     n = int(meta.get("n", config.n))
@@ -40,11 +50,19 @@ def sampling_request(prompts: DataProto, config) -> SamplingRequest:
 
 
 def rollout_output(
-    prompts: DataProto, responses: torch.Tensor, response_mask: torch.Tensor, log_probs: torch.Tensor
+    prompts: DataProto,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    log_probs: torch.Tensor,
+    response_attention: torch.Tensor | None = None,
+    columns: dict | None = None,
 ) -> DataProto:
-    """The contract above from (n-times repeated) ``prompts`` and the ``[B, R]`` responses, mask and log-probs."""
+    """The contract above from (n-times repeated) ``prompts`` and the ``[B, R]`` responses, mask and log-probs.
+    ``response_attention``: 1 on every real response token where that is more than the model's own (a multi-turn
+    trajectory's tool results); ``columns``: non-tensor columns to add."""
     input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-    full_mask = torch.cat([attention_mask, response_mask], dim=-1)
+    response_attention = response_mask if response_attention is None else response_attention
+    full_mask = torch.cat([attention_mask, response_attention], dim=-1)
     batch = {
         "prompts": input_ids,
         "responses": responses,
@@ -55,7 +73,7 @@ def rollout_output(
         "rollout_log_probs": log_probs,
     }
     meta = {k: v for k, v in prompts.meta_info.items() if k not in ("metrics", "seed")}  # a seed is per rank
-    return DataProto.from_dict(batch, dict(prompts.non_tensor_batch), meta_info=meta)
+    return DataProto.from_dict(batch, {**prompts.non_tensor_batch, **(columns or {})}, meta_info=meta)
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:

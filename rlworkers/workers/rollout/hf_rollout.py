@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from rlworkers.data.batching import left_pad
 from rlworkers.protocol import DataProto
 from rlworkers.workers.common import logprobs_from_logits
 from rlworkers.workers.config import RolloutConfig
-from rlworkers.workers.rollout import rollout_output, sampling_request, stop_token_ids
+from rlworkers.workers.rollout import SamplingRequest, TurnOutput, rollout_output, sampling_request, stop_token_ids
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
@@ -26,12 +27,36 @@ class HFRollout:
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generate samples from the actor's own module."""
 
-    @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         request = sampling_request(prompts, self.config)
-        prompts, do_sample, temperature = request.prompts, request.do_sample, request.temperature
-        response_length = request.response_length
-        input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        prompts = request.prompts
+        responses, response_mask, log_probs = self._sample(
+            prompts.batch["input_ids"], prompts.batch["attention_mask"], request.response_length, request
+        )
+        return rollout_output(prompts, responses, response_mask, log_probs)
+
+    def generate_turns(
+        self, contexts: list[list[int]], budgets: list[int], request: SamplingRequest
+    ) -> list[TurnOutput]:
+        """One turn for each multi-turn trajectory (``rollout.agent_loop``): ``contexts`` left-padded into one
+        batch, each row's new tokens up to its stop token or its own budget."""
+        input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id)
+        device = next(self.model.parameters()).device
+        responses, response_mask, log_probs = self._sample(
+            input_ids.to(device), attention_mask.to(device), max(budgets), request
+        )
+        turns = []
+        for ids, mask, lps, budget in zip(responses.tolist(), response_mask.tolist(), log_probs.tolist(), budgets):
+            n = min(sum(mask), budget)
+            turns.append(TurnOutput(ids[:n], lps[:n], stopped=n > 0 and ids[n - 1] in self.stop_token_ids))
+        return turns
+
+    @torch.no_grad()
+    def _sample(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, request: SamplingRequest
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``responses`` (pad after the first stop token), ``response_mask`` and ``rollout_log_probs``, ``[B, R]``."""
+        do_sample, temperature = request.do_sample, request.temperature
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(
@@ -57,4 +82,4 @@ class HFRollout:
         response_mask = response_mask_from_eos(responses, self.stop_token_ids)
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         log_probs = logprobs_from_logits(logits, responses) * response_mask
-        return rollout_output(prompts, responses, response_mask, log_probs)
+        return responses, response_mask, log_probs

@@ -70,7 +70,7 @@ from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing
 from rlworkers.models.lora import merged_weights
 from rlworkers.protocol import DataProto
 from rlworkers.workers.config import RolloutConfig
-from rlworkers.workers.rollout import rollout_output, sampling_request, stop_token_ids
+from rlworkers.workers.rollout import SamplingRequest, TurnOutput, rollout_output, sampling_request, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -181,35 +181,53 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------------------------------------ rollout
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        stop = prompts.meta_info.get("stop", self._option("stop", None))
         request = sampling_request(prompts, self.config)
-        prompts, do_sample, response_length = request.prompts, request.do_sample, request.response_length
-        temperature = request.temperature if do_sample else 0.0  # vLLM's greedy
+        prompts = request.prompts
         input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-        llm = self._engine(input_ids.shape[1], response_length)
+        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        stop = prompts.meta_info.get("stop", self._option("stop", None))
+        llm = self._engine(input_ids.shape[1], request.response_length)
+        outputs = self._generate(llm, contexts, [request.response_length] * len(contexts), request, stop)
+        return rollout_output(prompts, *self._to_tensors(outputs, request.response_length))
+
+    def generate_turns(
+        self, contexts: list[list[int]], budgets: list[int], request: SamplingRequest
+    ) -> list[TurnOutput]:
+        """One turn for each multi-turn trajectory (``rollout.agent_loop``): each context its own request, with
+        its own token budget. The engine's ``max_model_len`` must hold prompt + ``response_length``."""
+        llm = self._engine(max(len(c) + b for c, b in zip(contexts, budgets)), 0)
+        outputs = self._generate(llm, contexts, budgets, request, None)
+        stops = set(stop_token_ids(self.tokenizer, self.model))
+        turns = []
+        for output, budget in zip(outputs, budgets):
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)[:budget]
+            log_probs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+            turns.append(TurnOutput(tokens, log_probs, stopped=bool(tokens) and tokens[-1] in stops))
+        return turns
+
+    def _generate(self, llm, contexts: list[list[int]], budgets: list[int], request: SamplingRequest, stop):
+        do_sample = request.do_sample
         settings = dict(
             n=1,
-            temperature=temperature,
+            temperature=request.temperature if do_sample else 0.0,  # vLLM's greedy
             top_p=self.config.top_p if do_sample else 1.0,
             top_k=self.config.top_k if do_sample else 0,
-            max_tokens=response_length,
             logprobs=0,
             stop=list(stop) if stop else None,
             stop_token_ids=stop_token_ids(self.tokenizer, self.model),
             detokenize=bool(stop),
         )
-        requests = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
-        seed = prompts.meta_info.get("seed")  # a seeded call (sampled evaluation): each request its own generator
-        params = (
-            SamplingParams(**settings)
-            if seed is None
-            else [SamplingParams(**settings, seed=int(seed) + i) for i in range(len(requests))]
-        )
-        outputs = llm.generate(requests, params, use_tqdm=False)
+        seed = request.prompts.meta_info.get("seed")  # a seeded call (sampled evaluation): each request its own
+        params = [  # generator
+            SamplingParams(**settings, max_tokens=budget, seed=None if seed is None else int(seed) + i)
+            for i, budget in enumerate(budgets)
+        ]
+        outputs = llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
         if self.sleep_enabled:
             llm.sleep(level=SLEEP_LEVEL)
             self._kv_asleep = self._weights_asleep = True
-        return rollout_output(prompts, *self._to_tensors(outputs, response_length))
+        return outputs
 
     def _to_tensors(self, outputs, response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM's outputs -> ``responses`` (pad after the end), ``response_mask``, ``rollout_log_probs``, ``[B, R]``.
