@@ -1,5 +1,6 @@
-"""The multi-turn loop (rlworkers/workers/rollout/agent_loop.py) against hand-built trajectories: a scripted backend stands in for
-the model (it returns the turns a test writes), SmolLM2's real tokenizer and chat template render everything else.
+"""The multi-turn loop (rlworkers/workers/rollout/agent_loop.py) against hand-built trajectories: a scripted backend
+stands in for the model (it returns the turns a test writes), SmolLM2's real tokenizer and chat template render
+everything else.
 What the real rollouts do on top (HF and vLLM sampling the turns) is in tests/test_agent_rollouts.py."""
 
 from __future__ import annotations
