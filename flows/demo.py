@@ -1,4 +1,4 @@
-"""`make demo`: the whole product on this machine in about ten minutes.
+"""`make demo`: the whole product on this machine in a few minutes.
 
 1. starts the local Prefect and MLflow servers (`rlflow server up`);
 2. SFT-warms the tiny offline model on 2-digit addition (configs/demo-sft.yaml), as a Prefect flow on Ray;
@@ -8,6 +8,10 @@
 `make demo-real` (`rlflow demo --model smollm2-135m-instruct`) does the same with a real pretrained chat model,
 SmolLM2-135M-Instruct, the sums asked in its chat template with GSM8K's "#### answer" format: SFT warm-up
 (configs/real-sft.yaml), then GRPO (configs/real-gsm8k.yaml). configs/real.yaml is GRPO alone from the base model.
+
+`make demo-agent` (`rlflow demo --agent`): SmolLM2-135M-Instruct and a calculator tool on 4-digit sums: an SFT
+warm-up on demonstrations of the tool call (configs/agent-sft.yaml), then GRPO on whole trajectories
+(configs/agent.yaml).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def _val_history(run_id: str) -> list[tuple[int, float]]:
 
 
 REAL_MODEL = "smollm2-135m-instruct"
+AGENT = "agent"  # `rlflow demo --agent`: SmolLM2 learns to call a calculator tool (configs/agent*.yaml)
 
 
 PRESETS = {  # model -> (SFT preset, GRPO preset, what the table measures)
@@ -39,20 +44,27 @@ PRESETS = {  # model -> (SFT preset, GRPO preset, what the table measures)
         "real-gsm8k",
         'SmolLM2-135M-Instruct: 200 held-out sums in its chat template, greedy, the number after "####"',
     ),
+    AGENT: (
+        "agent-sft",
+        "agent",
+        "SmolLM2-135M-Instruct with a calculator tool: 200 held-out 4-digit sums, greedy, several turns",
+    ),
 }
 
 
-def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str = "tiny") -> None:
+def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str = "tiny", agent: bool = False) -> None:
     from flows.config import load_config, runs_root
     from flows.launch import run_training
     from flows.preflight import apply_service_env
     from flows.services import ServiceConfig, start_services
 
-    if model not in PRESETS:
+    if model not in PRESETS or model == AGENT:
         raise ValueError(f"rlflow demo --model {model!r}: use 'tiny' (the default) or {REAL_MODEL!r}")
+    if agent:
+        model = AGENT
     sft_preset, grpo_preset, title = PRESETS[model]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    prefix = "demo" if model == "tiny" else "demo-real"
+    prefix = {"tiny": "demo", REAL_MODEL: "demo-real", AGENT: "demo-agent"}[model]
     sft_overrides = [f"trainer.run_name={prefix}-sft-{stamp}", "trainer.resume=never"]
     if sft_steps:
         sft_overrides += [

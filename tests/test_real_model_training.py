@@ -5,21 +5,28 @@
   match the rollout's on the masked tokens (so nothing after the end enters the losses);
 * a verl-layout parquet (chat-message prompts, nested ``reward_model``, ``extra_info``) plus a verl reward file
   (``custom_reward_function``, ``compute_score(data_source, solution_str, ground_truth, extra_info)`` returning a
-  dict) train GRPO with no conversion; the dict's extra value is logged; a run stopped after its step-1 checkpoint
-  and resumed ends with the same weights, bit for bit, as one that ran straight through;
+  dict) train an agent (several turns: an environment's feedback, a tool) with GRPO with no conversion; the dict's
+  extra value is logged, the samples table shows whole trajectories; a run killed after its step-1 checkpoint and
+  started again ends with the same weights, bit for bit, as one that ran straight through;
 * SFT on whole conversations (verl's multi-turn SFT layout, a ``messages`` column) lowers the loss on them.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import time
 import uuid
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from rlflow_cli import rlflow_in_background
 from safetensors.torch import load_file
 
 from flows.config import load_config, runs_root
@@ -133,29 +140,30 @@ def verl_job(ray_cluster, services, tmp_path_factory):
     shutil.rmtree(folder / "runs", ignore_errors=True)  # ~9 GB of SmolLM2 checkpoints
 
 
+def real_overrides(job, name: str, *extra: str) -> list[str]:
+    return [
+        f"data.train_files={job / 'train.parquet'}",  # a path, as verl takes it
+        f"data.val_files={job / 'test.parquet'}",
+        f"trainer.runs_dir={job / 'runs'}",
+        f"trainer.run_name={name}",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "rollout.response_length=12",
+        "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+        "trainer.n_workers=1",
+        "trainer.total_steps=2",
+        "trainer.save_freq=1",
+        "trainer.test_freq=2",
+        "trainer.keep_last_checkpoints=0",
+        "trainer.log_samples=2",
+        "trainer.log_model=false",
+        *extra,
+    ]
+
+
 def real_config(job, name: str, *extra: str):
-    return load_config(
-        "real",
-        [
-            f"data.train_files={job / 'train.parquet'}",  # a path, as verl takes it
-            f"data.val_files={job / 'test.parquet'}",
-            f"trainer.runs_dir={job / 'runs'}",
-            f"trainer.run_name={name}",
-            "data.train_batch_size=2",
-            "rollout.n=2",
-            "rollout.response_length=12",
-            "actor.ppo_mini_batch_size=4",
-            "actor.ppo_micro_batch_size_per_gpu=4",
-            "trainer.n_workers=1",
-            "trainer.total_steps=2",
-            "trainer.save_freq=1",
-            "trainer.test_freq=2",
-            "trainer.keep_last_checkpoints=0",
-            "trainer.log_samples=2",
-            "trainer.log_model=false",
-            *extra,
-        ],
-    )
+    return load_config("real", real_overrides(job, name, *extra))
 
 
 def run_grpo(config):
@@ -164,10 +172,24 @@ def run_grpo(config):
     return state
 
 
-def test_verl_data_and_reward_file_train_and_resume_bitwise(verl_job):
+AGENT = (  # several turns: "wrong, try again" from the environment, and a calculator tool the model may call
+    "rollout.multi_turn.enable=true",
+    "rollout.multi_turn.environment=rlworkers.agents.examples:RetryArithmetic",
+    "rollout.multi_turn.tools=[rlworkers.agents.examples:add]",
+    "rollout.multi_turn.max_assistant_turns=3",
+    "rollout.multi_turn.max_turn_tokens=12",
+    "rollout.response_length=40",
+    "data.max_prompt_length=320",
+)
+
+
+def test_agent_run_on_verl_data_killed_and_resumed_matches_a_straight_one(verl_job):
+    """An agent run (several turns, an environment and a tool) on a verl-layout parquet with a verl reward file:
+    it trains with no conversion; one killed (SIGKILL of its process group) after its step-1 checkpoint and started
+    again ends with the same weights, bit for bit, as one that ran straight through."""
     name = f"real-verl-{uuid.uuid4().hex[:6]}"
     reward = f"custom_reward_function.path={verl_job / 'reward.py'}"
-    straight = real_config(verl_job, f"{name}-straight", reward)
+    straight = real_config(verl_job, f"{name}-straight", reward, *AGENT)
     run_grpo(straight)
     client = MlflowClient()
     run = client.search_runs(
@@ -179,11 +201,25 @@ def test_verl_data_and_reward_file_train_and_resume_bitwise(verl_job):
     assert "val/reward_extra/has_number/mean" in metrics and "val/score/mean" in metrics
     assert "response_length/clip_ratio" in metrics
     assert run.data.params["reward.reward_fn"] == f"{verl_job / 'reward.py'}:compute_score"
+    assert (
+        metrics["agent/turns/mean"] >= 1
+        and "agent/errors/timeout/mean" in metrics
+        and "val/agent/turns/mean" in metrics
+    )
+    samples = json.loads(Path(client.download_artifacts(run.info.run_id, "samples/step_000002.json")).read_text())
+    assert samples["columns"][-1] == "trajectory" and all(row[-1].startswith("[assistant] ") for row in samples["data"])
 
-    stopped = real_config(verl_job, f"{name}-resumed", reward, "trainer.total_steps=1")
-    run_grpo(stopped)
-    resumed = real_config(verl_job, f"{name}-resumed", reward)  # same run name: continues from its step-1 checkpoint
-    run_grpo(resumed)
+    overrides = real_overrides(verl_job, f"{name}-resumed", reward, *AGENT)
+    killed = rlflow_in_background("train", "grpo", "--config", "real", *overrides)
+    resumed = real_config(verl_job, f"{name}-resumed", reward, *AGENT)
+    manifest = Path(runs_root(resumed)) / "checkpoints" / "step_1" / "manifest.json"
+    deadline = time.monotonic() + 600
+    while not manifest.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert manifest.exists(), killed.communicate()[0][-3000:] if killed.poll() is not None else "no checkpoint"
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    run_grpo(resumed)  # the same run name: continues from its step-1 checkpoint
     weights = [
         load_file(f"{runs_root(config)}/checkpoints/step_2/actor/model.safetensors") for config in (straight, resumed)
     ]

@@ -12,7 +12,9 @@ problem and the columns
 ``prompt_format`` picks how a problem is asked: ``"plain"`` (above, for the tiny model), or as a chat model is asked,
 in verl's layout (``prompt`` a list of chat messages, ``ability``, ``reward_model: {style, ground_truth}``):
 ``"chat"`` ("What is 12 + 34? Reply with the number only.", data_source ``addition_chat``, scored by the last
-number of the response) or ``"gsm8k"`` (the answer written after ``####`` as in GSM8K, data_source
+number of the response), ``"tool"`` (the same, asked to use the ``add`` tool, data_source ``addition_tool``, scored
+by the last number; a ``messages`` column holds the demonstration an SFT warm-up learns from: the call, its result,
+the answer) or ``"gsm8k"`` (the answer written after ``####`` as in GSM8K, data_source
 ``addition_gsm8k``, scored by the ``gsm8k`` rule: nothing for an answer without ``####``).
 
 Operands are drawn uniformly from ``[0, 10**max_digits)``; every (a, b) pair appears at most once across both
@@ -42,7 +44,9 @@ PROMPT_FORMATS = {  # prompt_format -> (data_source, chat question)
     "plain": (DATA_SOURCE, None),
     "chat": ("addition_chat", "What is {a} + {b}? Reply with the number only."),
     "gsm8k": ("addition_gsm8k", 'What is {a} + {b}? Write the final answer after "####", e.g. "#### 7".'),
+    "tool": ("addition_tool", "What is {a} + {b}? Use the add tool, then reply with the number only."),
 }
+TOOL_NAME = "add"  # the tool the "tool" format's demonstrations call: rlworkers.agents.examples:add
 SPLIT_FILES = {"train": "train.parquet", "validation": "validation.parquet"}
 META_FILE = "meta.json"
 
@@ -88,8 +92,21 @@ def addition_row(a: int, b: int, *, split: str, index: int, prompt_format: str =
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": extra_info,
-        "response": answer if prompt_format == "chat" else f"{a} + {b} = {answer}\n#### {answer}",
+        "response": answer if prompt_format in ("chat", "tool") else f"{a} + {b} = {answer}\n#### {answer}",
+        **({"messages": tool_demonstration(question.format(a=a, b=b), a, b)} if prompt_format == "tool" else {}),
     }
+
+
+def tool_demonstration(question: str, a: int, b: int) -> list[dict]:
+    """The conversation an SFT warm-up shows for the "tool" format: the question, a call of the add tool (verl's
+    Hermes format), its result, and the answer."""
+    call = json.dumps({"name": TOOL_NAME, "arguments": {"a": a, "b": b}})
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+        {"role": "tool", "content": str(a + b)},
+        {"role": "assistant", "content": str(a + b)},
+    ]
 
 
 def addition_rows(

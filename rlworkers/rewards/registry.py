@@ -261,6 +261,7 @@ DATA_SOURCE_DEFAULTS: dict[str, str] = {
     "addition": "exact",
     "addition_chat": "last_number",  # the built-in task asked in a chat template (data.task.prompt_format)
     "addition_gsm8k": "gsm8k",
+    "addition_tool": "last_number",  # the same asked with the add tool (multi-turn): the answer's last number
     "gsm8k": "gsm8k",
     "openai/gsm8k": "gsm8k",
 }
