@@ -47,7 +47,7 @@ PRESETS = {  # model -> (SFT preset, GRPO preset, what the table measures)
     AGENT: (
         "agent-sft",
         "agent",
-        "SmolLM2-135M-Instruct with a calculator tool: 200 held-out 4-digit sums, greedy, several turns",
+        "SmolLM2-135M-Instruct with a calculator tool: 100 held-out 4-digit sums, greedy, several turns",
     ),
 }
 

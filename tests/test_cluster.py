@@ -298,12 +298,29 @@ def test_two_lineages_share_a_cluster_through_ray_client_and_leave_nothing_behin
         output, _ = process.communicate(timeout=timeout)
         return output
 
-    first = {"a": train(f"rc-a-{tag}", cluster["client"]), "b": train(f"rc-b-{tag}", cluster["address"])}
+    # both runs' rewards wait for a file the test writes once it has seen both hold their placement groups: how long
+    # either takes to start (Ray Client's is slower) cannot make them miss each other
+    gate = tmp_path / "both-running"
+    waiting = tmp_path / "waiting_reward.py"
+    waiting.write_text(
+        "import os, time\n\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    deadline = time.monotonic() + 300\n"
+        f"    while not os.path.exists({str(gate)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.2)\n"
+        "    return float(solution_str.strip() == ground_truth)\n"
+    )
+    reward = f"custom_reward_function.path={waiting}"
+    first = {
+        "a": train(f"rc-a-{tag}", cluster["client"], reward),
+        "b": train(f"rc-b-{tag}", cluster["address"], reward),
+    }
     jobs_at_once, deadline = set(), time.monotonic() + 300
     while len(jobs_at_once) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in first.values()):
         groups = cluster_state(cluster)["groups"]
         jobs_at_once = {job for job, _, state in groups if state == "CREATED"}
         time.sleep(2)
+    gate.touch()
     outputs = {name: finish(process) for name, process in first.items()}
     for name, process in first.items():
         assert process.returncode == 0, outputs[name][-4000:]
