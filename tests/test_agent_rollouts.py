@@ -89,7 +89,7 @@ def test_multi_turn_rollouts_mask_the_feedback_and_train(ray_cluster, model_dir,
     try:
         group.init_model()  # loads the tools in the worker (a tool that does not load fails here)
         before = group.get_weights_checksum()
-        for step in range(2):
+        for step in range(2 if backend == "vllm" else 1):  # vLLM: a second rollout from the synced weights
             out = group.generate_sequences(
                 prompt_batch(question_rows(4), tokenizer, chat_template_kwargs={"tools": schemas})
             )
