@@ -234,3 +234,18 @@ def test_tool_instances_are_released_when_the_rollout_fails_midway(tokenizer):
     with pytest.raises(RuntimeError, match="the engine died"):
         run(loop, prompts_of(tokenizer, ["2*3?", "2*3?"]), failing_model)
     assert len(CountingTool.released) == 2 and not CountingTool.live
+
+
+def test_a_turn_cut_by_max_turn_tokens_is_closed_by_the_template_and_the_trajectory_goes_on(tokenizer):
+    GuessTheNumber.closed = []
+    model = ScriptedModel(tokenizer, [["I think it is one hundred and six", "42"]])
+    config = MultiTurnConfig(enable=True, environment="x.py:GuessTheNumber", max_turn_tokens=5)
+    prompts = prompts_of(tokenizer, ["Guess"], secret="42")
+    out = run(AgentLoop(config, tokenizer, [], GuessTheNumber), prompts, model)
+    first = ids(tokenizer, "I think it is one hundred and six")[:5]  # no stop token: the turn ran out of tokens
+    closing = ids(tokenizer, "<|im_end|>\n<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n")
+    expected = first + closing + ids(tokenizer, "42") + [tokenizer.eos_token_id]
+    assert out.batch["responses"][0].tolist()[: len(expected)] == expected
+    answer = len(ids(tokenizer, "42")) + 1  # and its stop token
+    assert out.batch["response_mask"][0].tolist()[: len(expected)] == [1] * 5 + [0] * len(closing) + [1] * answer
+    assert out.non_tensor_batch["agent/cut"][0] == 0 and out.non_tensor_batch["agent/turns"][0] == 2
