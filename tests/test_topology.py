@@ -133,7 +133,8 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
         [sys.executable, "bench/restarts_under_load.py", "--runs", "4", "--deployments", "2", "--kills", "2",
          "--limit", "2", "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log),
          "--out", str(out)],
-        cwd=Path(__file__).resolve().parents[1], env={**os.environ, **servers}, capture_output=True, text=True,
+        cwd=Path(__file__).resolve().parents[1], env={**os.environ, **servers, "PREFECT_WORKER_QUERY_SECONDS": "2"},
+        capture_output=True, text=True,
         timeout=1200,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
