@@ -18,9 +18,13 @@ import psutil
 
 
 def busy_worker(title: str) -> psutil.Process | None:
-    """The process whose title starts with ``title`` (e.g. ``ray::ActorRolloutRefWorker.update_actor``)."""
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
+    """The process under this one whose title starts with ``title`` (e.g. ``ray::ActorRolloutRefWorker.update_actor``):
+    this test's Ray runs under this process, another test's (`make test` runs two at once) does not."""
+    for process in psutil.Process().children(recursive=True):
+        try:
+            cmdline = process.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
         if cmdline and cmdline[0].startswith(title):
             return process
     return None
