@@ -135,6 +135,12 @@ class TrainerConfig(_Frozen):
         "continues its data, then registers its model and promotes it if validation held",
     )
     promotion_alias: str = Field("champion", description="registry alias of a lineage's current model")
+    lineage_data: Literal["continue", "from_champion"] = Field(
+        "continue",
+        description="where a lineage's next run takes up the data: continue: after the rows of the last run that "
+        "finished, promoted or not (a rejected run's rows are used up: the champion never trains on them); "
+        "from_champion: after the rows of the run that trained the champion (a rejected run's rows come again)",
+    )
     promotion: Literal["auto", "manual"] = Field(
         "auto",
         description="auto: the gate (eval.*) decides; manual: the flow run pauses after evaluation with an approve / "

@@ -259,11 +259,12 @@ def download_model(uri: str, client, cache_root: str) -> str:
 
 
 def lineage_parent(client, experiment_id: str, lineage: str):
-    """The lineage's most recent finished MLflow run (its data cursor is where the next run continues)."""
+    """The lineage's last MLflow run to finish (its data cursor is where the next run continues): by the time it
+    finished, not started, as a run that started earlier may have finished later."""
     runs = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`rlflow.lineage` = '{lineage}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"],
+        order_by=["attributes.end_time DESC"],
         max_results=1,
     )
     return runs[0] if runs else None

@@ -23,12 +23,42 @@ class PromotionApproval(RunInput):
 def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     """Run the promotion gate on the final model's primary eval results (flows/evaluation.py) against the
     champion as it is now (never a score cached earlier: a resumed run, or one whose champion moved while it
-    trained, compares with the current one); ask a person first with ``trainer.promotion=manual``."""
+    trained, compares with the current one); ask a person first with ``trainer.promotion=manual``. The decision is
+    written on the version before anything acts on it (flows/versions.py): an attempt that finds one there (its
+    earlier attempt died while publishing) finishes that decision instead of deciding again."""
     client = run.tracker.client
-    name, trainer, gate = lineage.registered_model_name(run.config), run.config.trainer, run.config.eval
+    name, trainer = lineage.registered_model_name(run.config), run.config.trainer
+    record = versions.recorded_decision(client, name, version)
+    if record is None:
+        record, markdown = decide(run, name, version, final)
+    else:
+        get_run_logger().info("%s v%s: finishing the decision an earlier attempt recorded", name, version)
+        markdown = client.get_model_version(name, version).description or ""
+    outcome = versions.apply_decision(client, name, version, trainer.promotion_alias, record, final, markdown)
+    create_markdown_artifact(
+        key=f"{artifact_key(trainer.run_name)}-promotion",
+        markdown=markdown,
+        description=f"promotion gate of {name} v{version}",
+    )
+    verdict = f"promoted to @{trainer.promotion_alias}" if outcome["promoted"] else "rejected"
+    run.tracker.set_tags(
+        {
+            "rlflow.promotion": f"v{version} {verdict}: {outcome['reason']}",
+            "rlflow.promoted": str(outcome["promoted"]).lower(),
+        }
+    )
+    get_run_logger().info("%s v%s %s: %s", name, version, verdict, outcome["reason"])
+    return f"v{version} {verdict}: {outcome['reason']}"
+
+
+def decide(run, name: str, version: str, final: dict[str, evaluation.EvalResults]) -> tuple[dict, str]:
+    """The gate's decision (and a person's, with ``trainer.promotion=manual``) on ``version``, written on it
+    (``versions.decide``); returns it with its markdown."""
+    client, trainer, gate = run.tracker.client, run.config.trainer, run.config.eval
     primary = gate.primary_set
     candidate = final[primary]
     start = (run_evaluation.saved_results(run, "start") or {}).get(primary)
+    compared_with = lineage.champion_version(client, name, trainer.promotion_alias)
     champion, best = versions.gate_baselines(
         client, name, trainer.promotion_alias, candidate, start, run.record.model_uri, reevaluate_with(run, primary)
     )
@@ -43,31 +73,36 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
         margin=gate.margin,
         hacking_threshold=gate.hacking_threshold,
     )
+    rolled_back = start_rolled_back(client, name, run.record.model_uri)
+    if decision.promote and rolled_back:
+        decision = evaluation.GateDecision(False, rolled_back, decision.comparisons, decision.hacking)
     markdown = evaluation.decision_markdown(name, version, decision, primary)
-    logger = get_run_logger()
     if decision.hacking:
-        logger.warning("%s v%s: %s", name, version, decision.hacking)
+        get_run_logger().warning("%s v%s: %s", name, version, decision.hacking)
         run.tracker.set_tags({"rlflow.reward_hacking": decision.hacking})
+        client.set_model_version_tag(name, version, "rlflow.reward_hacking", decision.hacking)
     how = "promoted by its run"
     if trainer.promotion == "manual":
         pending = evaluation.decision_markdown(name, version, decision, primary, pending=True)
         decision, how = ask_approval(run, name, version, decision, pending)
         markdown = evaluation.decision_markdown(name, version, decision, primary)
-    versions.record_decision(client, name, version, trainer.promotion_alias, decision, final, markdown, how)
-    create_markdown_artifact(
-        key=f"{artifact_key(trainer.run_name)}-promotion",
-        markdown=markdown,
-        description=f"promotion gate of {name} v{version}",
+    compared = compared_with.version if compared_with is not None else None
+    return versions.decide(client, name, version, trainer.promotion_alias, decision, how, compared, markdown), markdown
+
+
+def start_rolled_back(client, name: str, start_uri: str) -> str | None:
+    """Why a run may not be promoted although the gate says so: the version it started from was rolled back while
+    it trained (its training builds on a model the team took back); None otherwise."""
+    prefix = f"models:/{name}/"
+    if not start_uri.startswith(prefix):
+        return None
+    tags = client.get_model_version(name, start_uri[len(prefix) :]).tags or {}
+    if "rlflow.rolled_back" not in tags:
+        return None
+    return (
+        f"not promoted: this run started from v{start_uri[len(prefix) :]}, which was rolled back while it trained "
+        f"({tags['rlflow.rolled_back']})"
     )
-    verdict = f"promoted to @{trainer.promotion_alias}" if decision.promote else "rejected"
-    run.tracker.set_tags(
-        {
-            "rlflow.promotion": f"v{version} {verdict}: {decision.reason}",
-            "rlflow.promoted": str(decision.promote).lower(),
-        }
-    )
-    logger.info("%s v%s %s: %s", name, version, verdict, decision.reason)
-    return f"v{version} {verdict}: {decision.reason}"
 
 
 def reevaluate_with(run, set_name: str):

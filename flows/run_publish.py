@@ -3,12 +3,18 @@ run folder, logged (and registered) in MLflow, promoted in a lineage (flows/prom
 for the lineage's next run, and the run marked complete (``result.json``, which a later attempt reads as "nothing to
 do") with a Prefect markdown artifact that summarises it.
 
+Publishing may die anywhere (a kill, a lost machine); the run's next attempt publishes again, and each step
+recognises what an earlier attempt did: the model version this MLflow run registered is found, not registered
+again; a decision recorded on it is finished, not made again (flows/versions.py); the MLflow run is FINISHED
+before ``result.json`` is written, so a run marked complete is always one the lineage's next run can continue.
+
 ``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
 
 from __future__ import annotations
 
 import json
 
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows import lineage, promotion, run_evaluation
@@ -43,18 +49,36 @@ def publish(run) -> dict:
             info = run.tracker.log_model(merged, name="merged_model")
             run.tracker.set_tags({"final_merged_model_uri": info.model_uri})
     if run.config.trainer.log_model:
-        info = run.tracker.log_model(path, register_as=lineage.registered_model_name(run.config))
-        result["model_uri"] = info.model_uri
-        run.tracker.set_tags({"final_model_uri": info.model_uri})
-        if info.registered_model_version:
-            result["model_version"] = str(info.registered_model_version)
-            run.tracker.set_tags({"rlflow.model_version": result["model_version"]})
+        result.update(log_final_model(run, path))
     if run.config.trainer.lineage and "model_version" in result:
         result["decision"] = promotion.promote(run, result["model_version"], final)
-    lineage.write_result(run.root, result)
     create_markdown_artifact(
         key=f"{artifact_key(run.config.trainer.run_name)}-result",
         markdown=lineage.summary_markdown(run.record, result),
         description=f"result of {run.config.trainer.run_name}",
     )
+    run.tracker.finish("FINISHED")  # before result.json: a run marked complete is one the lineage can continue
+    lineage.write_result(run.root, result)
     return result
+
+
+def log_final_model(run, path: str) -> dict:
+    """Log (and register) the final model, once: when an earlier attempt of this run already registered a version
+    (it died before finishing to publish, maybe before it heard back from MLflow), that version is the run's."""
+    name = lineage.registered_model_name(run.config)
+    client, run_id = run.tracker.client, run.tracker.run_id
+    registered = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'") if name else []
+    if registered and not run.config.trainer.republish:
+        version = min(registered, key=lambda v: int(v.version))
+        get_run_logger().info("%s v%s: registered by an earlier attempt of this run", name, version.version)
+        found = {"model_uri": version.source, "model_version": str(version.version)}
+    else:
+        info = run.tracker.log_model(path, register_as=name)
+        found = {"model_uri": info.model_uri}
+        if info.registered_model_version:
+            found["model_version"] = str(info.registered_model_version)
+    run.tracker.set_tags(
+        {"final_model_uri": found["model_uri"]}
+        | ({"rlflow.model_version": found["model_version"]} if "model_version" in found else {})
+    )
+    return found

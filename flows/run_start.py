@@ -95,6 +95,11 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         and lineage.read_result(root)
         and not config.trainer.republish
     ):
+        if record is not None:  # published by an older rlflow, which wrote result.json before ending the run
+            from mlflow.tracking import MlflowClient
+
+            if MlflowClient().get_run(record.mlflow_run_id).info.status == "RUNNING":
+                MlflowClient().set_terminated(record.mlflow_run_id, status="FINISHED")
         raise lineage.RunAlreadyComplete(
             f"run {name!r} already trained its {config.trainer.total_steps} steps and published its result "
             f"({root}/result.json): nothing to do. Raise trainer.total_steps to train it further, set "
@@ -317,6 +322,10 @@ def _new_record(
     if config.trainer.lineage:
         found = client.get_experiment_by_name(experiment)
         parent = lineage.lineage_parent(client, found.experiment_id, config.trainer.lineage) if found else None
+        own = f"models:/{lineage.registered_model_name(config)}/"
+        if config.trainer.lineage_data == "from_champion" and model_uri.startswith(own):
+            champion = client.get_model_version(*model_uri.removeprefix("models:/").rsplit("/", 1))
+            parent = client.get_run(champion.run_id) if champion.run_id else parent
     cursor = (
         json.loads(parent.data.tags["rlflow.data_cursor"])
         if parent and "rlflow.data_cursor" in parent.data.tags

@@ -134,6 +134,7 @@ class Tracker:
                 registered_model_name=register_as,
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")],
             )
+        self.client.update_run(self.run_id, status="RUNNING")  # start_run's end marked it FINISHED: not yet
         return info
 
     def log_adapter(self, adapter_dir: str, register_as: str | None = None, name: str = "model") -> LoggedAdapter:

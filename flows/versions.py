@@ -1,11 +1,18 @@
 """A lineage's model versions and its champion: the promotion decisions recorded on versions (with their eval
 results), the gate's baselines (the champion as the alias points now, the lineage's best), and every move of the
-alias (by a run, by ``rlflow promote``, by ``rlflow rollback``), appended to the registered model's history."""
+alias (by a run, by ``rlflow promote``, by ``rlflow rollback``), appended to the registered model's history.
+
+A run's decision is written on its version (``rlflow.decision``) before anything acts on it, and acting on it
+(``apply_decision``) can be repeated: an attempt that dies half way through leaves a decision that the run's next
+attempt finishes instead of gating again, so a version is never decided twice, the alias never moves twice for it
+and the history never holds a move twice. The history is append-only: one tag per move (``rlflow.champion_move.*``),
+so two writers at once (a run's promotion and ``rlflow promote``) never erase each other's entry."""
 
 from __future__ import annotations
 
 import json
 import tempfile
+import uuid
 from datetime import datetime, timezone
 
 from flows.lineage import ModelReferenceError, champion_version
@@ -15,22 +22,62 @@ from flows.lineage import ModelReferenceError, champion_version
 EVAL_TAG = "rlflow.eval.{set}.{field}"
 
 
-def record_decision(
-    client, name: str, version: str, alias: str, decision, results: dict, description: str, how: str
+DECISION_TAG = "rlflow.decision"  # on a version: its run's decision, written before anything acts on it
+
+
+def decide(
+    client, name: str, version: str, alias: str, decision, how: str, compared_with: str | None, description: str
 ) -> dict:
-    """Tag ``version`` with its eval results and the gate's decision, describe it, and move ``alias`` to it when
-    the decision promotes. ``results``: set name -> the version's ``EvalResults`` (final). Returns the decision."""
+    """Write the run's decision on ``version`` (``rlflow.decision``, after its ``description``) and return it:
+    promote or not, why, how it was decided, the champion it was compared with (the alias may move only from
+    there) and, when it promotes, the history entry its move will append (made once here, so every attempt
+    appends the same one)."""
+    client.update_model_version(name, version, description=description)
+    reason = decision.reason[:REASON_LIMIT]
+    record = {"promote": decision.promote, "reason": reason, "how": how, "champion": compared_with}
+    if decision.promote:
+        record["move"] = history_entry(alias, version, compared_with, how, reason)
+    client.set_model_version_tag(name, version, DECISION_TAG, json.dumps(record))
+    return record
+
+
+def recorded_decision(client, name: str, version: str) -> dict | None:
+    """The decision an earlier attempt of the version's run wrote (``decide``), or None."""
+    tags = client.get_model_version(name, version).tags or {}
+    return json.loads(tags[DECISION_TAG]) if DECISION_TAG in tags else None
+
+
+def apply_decision(client, name: str, version: str, alias: str, record: dict, results: dict, description: str) -> dict:
+    """Act on a recorded decision; repeating it changes nothing. Tags ``version`` with its eval results and the
+    decision, describes it, and moves ``alias`` to it when the decision promotes, only while the alias still
+    points at the champion the decision was made against (compare-and-set): when someone moved it meanwhile (``rlflow
+    promote`` or ``rollback`` during a long approval), the version is not promoted, and says why. Returns the
+    decision as it stands (``promoted``, ``reason``)."""
     for result in results.values():
         tag_results(client, name, version, result)
     client.update_model_version(name, version, description=description)
-    if decision.hacking:
-        client.set_model_version_tag(name, version, "rlflow.reward_hacking", decision.hacking)
-    if decision.promote:
-        client.set_model_version_tag(name, version, "rlflow.promoted", decision.reason)
-        move_champion(client, name, alias, version, how, decision.reason)
+    if record["promote"]:
+        move = record["move"]
+        if move["key"] not in moves(client, name):  # an earlier attempt may have moved the alias already
+            current = champion_version(client, name, alias)
+            now = current.version if current is not None else None
+            if now not in (version, record["champion"]):
+                moved = f"v{record['champion']}" if record["champion"] else "no champion"
+                record = {
+                    **record,
+                    "promote": False,
+                    "reason": f"not promoted: @{alias} moved from {moved} to v{now} after this version was gated "
+                    f"against it ({record['reason'][:1000]}); `rlflow promote` it if it should still win",
+                }
+                client.set_model_version_tag(name, version, DECISION_TAG, json.dumps(record))
+                client.set_model_version_tag(name, version, "rejected", record["reason"])
+                return {"promoted": False, "reason": record["reason"]}
+            client.set_registered_model_alias(name, alias, str(version))
+            append_move(client, name, move)
+        client.set_model_version_tag(name, version, "rlflow.promoted", record["reason"])  # last: it was champion
     else:
-        client.set_model_version_tag(name, version, "rejected", decision.reason)
-    return {"promoted": decision.promote, "reason": decision.reason}
+        client.set_model_version_tag(name, version, "rejected", record["reason"])
+    return {"promoted": record["promote"], "reason": record["reason"]}
 
 
 def tag_results(client, name: str, version: str, result, run_id: str | None = None) -> None:
@@ -107,34 +154,51 @@ def best_version(client, name: str, set_name: str, fingerprint: str, exclude: st
     return max(candidates, key=lambda v: float(v.tags[mean_tag]), default=None)
 
 
-CHAMPION_HISTORY_TAG = "rlflow.champion_history"  # on the registered model: the alias's moves, oldest first
-TAG_VALUE_LIMIT = 5000  # MLflow's limit on a tag's value: the oldest moves are dropped to fit
+CHAMPION_HISTORY_TAG = "rlflow.champion_history"  # the history before it was one tag per move (still read)
+MOVE_TAG = "rlflow.champion_move."  # + key: one tag per move of the alias, on the registered model
+REASON_LIMIT = 2000  # of a decision's reason in a tag (MLflow's limit on a tag's value is 5000 characters)
+
+
+def history_entry(alias: str, version: str, previous: str | None, how: str, reason: str) -> dict:
+    """One move of ``alias``: to ``version`` from ``previous``, when, how and why; ``key`` names its tag (the time
+    first, so the tags sort in the order of the moves)."""
+    at = datetime.now(timezone.utc)
+    return {
+        "key": f"{at:%Y%m%dT%H%M%S%fZ}-v{version}-{uuid.uuid4().hex[:6]}",
+        "at": at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "alias": alias,
+        "version": str(version),
+        "previous": previous,
+        "how": how,
+        "reason": reason[:REASON_LIMIT],
+    }
+
+
+def append_move(client, name: str, entry: dict) -> None:
+    client.set_registered_model_tag(name, MOVE_TAG + entry["key"], json.dumps(entry))
+
+
+def moves(client, name: str) -> dict[str, dict]:
+    """key -> entry of every move in the registered model's history (one tag each)."""
+    tags = client.get_registered_model(name).tags or {}
+    return {key[len(MOVE_TAG) :]: json.loads(value) for key, value in tags.items() if key.startswith(MOVE_TAG)}
 
 
 def move_champion(client, name: str, alias: str, version: str, how: str, reason: str) -> dict:
-    """Point ``alias`` at ``version`` and append the move to the registered model's champion history (the one way the
-    alias moves: a run's promotion, ``rlflow promote``, ``rlflow rollback``). Returns the history entry."""
+    """Point ``alias`` at ``version`` and append the move to the registered model's champion history (``rlflow
+    promote`` and ``rlflow rollback``; a run's promotion goes through ``apply_decision``). Returns the entry."""
     previous = champion_version(client, name, alias)
+    entry = history_entry(alias, version, previous.version if previous is not None else None, how, reason)
     client.set_registered_model_alias(name, alias, str(version))
-    entry = {
-        "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "alias": alias,
-        "version": str(version),
-        "previous": previous.version if previous is not None else None,
-        "how": how,
-        "reason": reason,
-    }
-    history = champion_history(client, name) + [entry]
-    while len(json.dumps(history)) > TAG_VALUE_LIMIT and len(history) > 1:
-        history.pop(0)
-    client.set_registered_model_tag(name, CHAMPION_HISTORY_TAG, json.dumps(history))
+    append_move(client, name, entry)
     return entry
 
 
 def champion_history(client, name: str) -> list[dict]:
     """Every move of the lineage's alias, oldest first (empty for a model registered before the history existed)."""
     tags = client.get_registered_model(name).tags or {}
-    return json.loads(tags.get(CHAMPION_HISTORY_TAG, "[]"))
+    before = json.loads(tags.get(CHAMPION_HISTORY_TAG, "[]"))  # kept by rlflow before one tag per move
+    return before + [{k: v for k, v in entry.items() if k != "key"} for _, entry in sorted(moves(client, name).items())]
 
 
 def promote_by_hand(client, name: str, alias: str, version: str, reason: str) -> dict:

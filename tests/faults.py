@@ -106,12 +106,15 @@ class TcpProxy(threading.Thread):
     ``restore()`` ends it. ``cut_at(marker, nth)`` partitions at an exact point of a protocol, whatever the load
     on the machine: the ``nth`` client request containing ``marker`` is refused before it is relayed, and so is
     every request and connection after it, while the requests already relayed finish (an HTTP request is a
-    client chunk that starts with a method; the rest of a body already under way still passes)."""
+    client chunk that starts with a method; the rest of a body already under way still passes). ``act_at(marker,
+    action, nth)`` instead calls ``action()`` (e.g. kill the client) and drops that request only: the proxy stays up
+    for the client's next attempt."""
 
     def __init__(self, target_port: int):
         super().__init__(daemon=True)
         self.target_port = target_port
         self._trigger: tuple[bytes, int] | None = None
+        self._action: Callable[[], None] | None = None
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         self.port = self.listener.getsockname()[1]
@@ -138,10 +141,16 @@ class TcpProxy(threading.Thread):
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
-                if from_client and (self._triggered(data) or (self.is_cut.is_set() and _starts_request(data))):
-                    self.is_cut.set()
-                    _reset(source)
-                    return
+                if from_client:
+                    hit, action = self._triggered(data)
+                    if hit and action is not None:  # act_at: this request only
+                        action()
+                        _reset(source)
+                        return
+                    if hit or (self.is_cut.is_set() and _starts_request(data)):
+                        self.is_cut.set()
+                        _reset(source)
+                        return
                 sink.sendall(data)
         except OSError:
             pass
@@ -152,15 +161,20 @@ class TcpProxy(threading.Thread):
 
     def cut_at(self, marker: bytes, nth: int = 1) -> None:
         with self._lock:
-            self._trigger = (marker, nth)
+            self._trigger, self._action = (marker, nth), None
 
-    def _triggered(self, data: bytes) -> bool:
+    def act_at(self, marker: bytes, action: Callable[[], None], nth: int = 1) -> None:
+        with self._lock:
+            self._trigger, self._action = (marker, nth), action
+
+    def _triggered(self, data: bytes) -> tuple[bool, Callable[[], None] | None]:
+        """Whether ``data`` is the request the trigger waits for, and the action to take (None: cut)."""
         with self._lock:
             if self._trigger is None or self._trigger[0] not in data:
-                return False
+                return False, None
             marker, nth = self._trigger
             self._trigger = None if nth == 1 else (marker, nth - 1)
-            return nth == 1
+            return nth == 1, self._action
 
     def cut(self) -> None:
         self.is_cut.set()
