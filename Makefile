@@ -65,11 +65,11 @@ demo-real: $(STAMP)
 demo-agent: $(STAMP)
 	$(VENV)/bin/rlflow demo --agent
 
-# two processes, each module whole in one of them, the longest first (tests/conftest.py says why)
+# two processes, each module (or group of modules) whole in one of them, the longest first (tests/conftest.py)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope --no-loadscope-reorder
 
 # the fast loop while changing a module (~3 min): the tests not marked slow (no servers, flows, training runs or installs)
 test-quick: $(STAMP)

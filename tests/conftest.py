@@ -11,11 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# `make test` runs the suite in two processes (pytest-xdist, `-n 2 --dist loadgroup`): about half the suite's time
-# is spent waiting (for servers, heartbeats, leases, process starts), not computing. Each module stays whole in one
-# process, so its module fixtures are built once. The modules that load SmolLM2 or start vLLM engines share one group,
-# so no two of them hold several GiB at once. The longest groups start first (durations measured on the 2-core CI
-# machine, in minutes: schedule 18, promotion 12, smollm2-vllm ~15, flows 11, topology 8, cluster 7.5, training 6).
+# `make test` runs the suite in two processes (pytest-xdist, `-n 2`): about half the suite's time is spent waiting
+# (for servers, heartbeats, leases, process starts), not computing. Each module stays whole in one process (its
+# module fixtures are built once), and the modules that load SmolLM2 or start vLLM engines share one group, so no two
+# of them hold several GiB at once: the scheduler below. (xdist's own `--dist loadgroup` marks do not reach its
+# scheduler under pytest 9, which no longer reads the node id xdist rewrites.) The longest groups start first
+# (minutes on the 2-core CI machine: schedule 18, promotion 12, smollm2-vllm ~15, flows 11, topology 8, cluster 7.5).
 HEAVY_MEMORY = {"test_agent_rollouts", "test_real_model", "test_real_model_training", "test_vllm_rollout", "test_lora"}
 LONGEST_FIRST = ["test_schedule", "test_promotion", "smollm2-vllm", "test_flows", "test_topology", "test_cluster",
                  "test_training", "test_publish_crashes", "test_lineage", "test_readme", "test_server_auth",
@@ -23,17 +24,25 @@ LONGEST_FIRST = ["test_schedule", "test_promotion", "smollm2-vllm", "test_flows"
                  "test_object_store"]  # fmt: skip
 
 
-def suite_group(item: pytest.Item) -> str:
-    module = item.path.stem
+def suite_group(nodeid: str) -> str:
+    module = Path(nodeid.split("::", 1)[0]).stem
     return "smollm2-vllm" if module in HEAVY_MEMORY else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(suite_group(item)))
     rank = {group: position for position, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(suite_group(item), len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(suite_group(item.nodeid), len(rank)))  # stable: the rest keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each group whole to one process, in the order collected (``--no-loadscope-reorder``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return suite_group(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):
