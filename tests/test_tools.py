@@ -349,7 +349,7 @@ def test_unknown_tool_and_malformed_call():
     assert "invalid JSON" in outcomes[1].text and outcomes[1].name == ""
 
 
-def test_long_texts_keep_head_and_tail():
+def test_long_texts_are_cut_on_the_side_asked():
     def long_text(n: int) -> str:
         """A long text.
 
@@ -360,6 +360,13 @@ def test_long_texts_keep_head_and_tail():
 
     [outcome], _ = run_turn([fn_tool(long_text)], call("long_text", n=1000), max_response_chars=20)
     assert outcome.text == "a" * 10 + "...(truncated)..." + "z" * 10
+    # verl's other sides: "left" keeps the head, "right" the tail
+    for side, kept in (("left", "a" * 20 + "...(truncated)"), ("right", "(truncated)..." + "z" * 20)):
+        outcomes = asyncio.run(
+            run_calls({"long_text": fn_tool(long_text)}, {"long_text": "id"}, [ToolCall("long_text", {"n": 1000})], [],
+                      timeout_s=2, max_response_chars=20, truncate_side=side)
+        )  # fmt: skip
+        assert outcomes[0].text == kept, side
 
 
 def test_run_calls_with_instance_ids_of_its_own():

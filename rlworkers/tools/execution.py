@@ -22,8 +22,10 @@ A tool's fault is an observation for the model and a metric for the user, never 
 - "not_text": the tool returned no text form (a FunctionTool's None, bytes or object; a verl tool's image or video,
   or a return value that is not ``(ToolResponse, reward, metrics)``).
 
-Texts longer than ``max_response_chars`` keep their head and tail around ``...(truncated)...``: verl's default
-``tool_response_truncate_side: middle`` (``verl/experimental/agent_loop/tool_agent_loop.py``, ``_call_tool``).
+Texts longer than ``max_response_chars`` are cut as verl's ``tool_response_truncate_side`` says
+(``verl/experimental/agent_loop/tool_agent_loop.py``, ``_call_tool``): "middle" (the default) keeps head and tail
+around ``...(truncated)...``, "left" keeps the head (``...(truncated)`` after it), "right" the tail
+(``(truncated)...`` before it).
 
 ``ToolSession`` is one trajectory's tools: ``create`` on enter (with the row's ``tools_kwargs[name]["create_kwargs"]``,
 passed as verl's agent loop passes them: ``create(create_kwargs=...)``), ``release`` always on exit, ``calc_reward``
@@ -72,6 +74,7 @@ async def run_calls(
     malformed: list[str],
     timeout_s: float,
     max_response_chars: int,
+    truncate_side: str = "middle",
 ) -> list[ToolOutcome]:
     """Run one turn's calls concurrently and return their outcomes: the calls' in order, then one per malformed call.
 
@@ -89,7 +92,7 @@ async def run_calls(
         )
         for error in malformed
     ]
-    return [_truncated(outcome, max_response_chars) for outcome in outcomes]
+    return [_truncated(outcome, max_response_chars, truncate_side) for outcome in outcomes]
 
 
 async def _run_call(
@@ -148,11 +151,15 @@ def _failed(name: str, text: str, kind: str, start: float) -> ToolOutcome:
     return ToolOutcome(name=name, text=text, error=kind, seconds=time.monotonic() - start)
 
 
-def _truncated(outcome: ToolOutcome, max_chars: int) -> ToolOutcome:
-    """The outcome with its text cut to ``max_chars`` plus the marker, keeping head and tail (verl's "middle")."""
+def _truncated(outcome: ToolOutcome, max_chars: int, side: str) -> ToolOutcome:
+    """The outcome with its text cut to ``max_chars`` plus verl's marker for ``side`` (module docstring)."""
     text = outcome.text
     if len(text) <= max_chars:
         return outcome
+    if side == "left":
+        return dataclasses.replace(outcome, text=text[:max_chars] + "...(truncated)")
+    if side == "right":
+        return dataclasses.replace(outcome, text="(truncated)..." + text[len(text) - max_chars :])
     half = max_chars // 2
     return dataclasses.replace(outcome, text=text[:half] + TRUNCATION_MARKER + text[len(text) - half :])
 
@@ -199,10 +206,17 @@ class ToolSession:
         await self._release_all()
 
     async def run(
-        self, calls: list[ToolCall], malformed: list[str], timeout_s: float, max_response_chars: int
+        self,
+        calls: list[ToolCall],
+        malformed: list[str],
+        timeout_s: float,
+        max_response_chars: int,
+        truncate_side: str = "middle",
     ) -> list[ToolOutcome]:
         """``run_calls`` with this trajectory's tool instances."""
-        return await run_calls(self.tools, self.instance_ids, calls, malformed, timeout_s, max_response_chars)
+        return await run_calls(
+            self.tools, self.instance_ids, calls, malformed, timeout_s, max_response_chars, truncate_side
+        )
 
     async def calc_reward(self) -> float:
         """The sum of ``calc_reward`` over the tools created for this trajectory; a tool whose ``calc_reward`` raises,

@@ -162,7 +162,11 @@ class AgentLoop:
             calls = parsed.calls[: self.config.max_parallel_calls]
             turn["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
             outcomes = await session.run(
-                calls, parsed.errors, self.config.tool_timeout_s, self.config.max_tool_response_length
+                calls,
+                parsed.errors,
+                self.config.tool_timeout_s,
+                self.config.max_tool_response_length,
+                self.config.tool_response_truncate_side,
             )
             t.tool_calls += len(outcomes)
             t.tool_errors.update(o.error for o in outcomes if o.error)
