@@ -298,6 +298,36 @@ def test_hung_tools_time_out_and_the_turn_returns():
     assert seconds < 1.0
 
 
+def test_hung_sync_tools_leave_later_calls_free_to_run():
+    """40 calls of a sync tool that never returns (more threads than an executor has: min(32, CPUs + 4)), then a
+    quick one: each hung call holds only its own thread, so the quick call still answers in time."""
+    release_threads = threading.Event()
+
+    def hang(x: int) -> str:
+        """Hang in a thread.
+
+        Args:
+            x: Ignored.
+        """
+        release_threads.wait(30)
+        return "late"
+
+    async def turns() -> list:
+        tools = {"hang": fn_tool(hang), "add": fn_tool(add)}
+        ids = {"hang": "h", "add": "a"}
+        hung = await run_calls(tools, ids, [ToolCall("hang", {"x": i}) for i in range(40)], [], 0.2, 100)
+        quick = await run_calls(tools, ids, [ToolCall("add", {"a": 1, "b": 2})], [], 2.0, 100)
+        return hung + quick
+
+    try:
+        outcomes = asyncio.run(turns())
+    finally:
+        release_threads.set()
+    assert [o.error for o in outcomes[:40]] == ["timeout"] * 40
+    assert outcomes[40].error is None and outcomes[40].text == "sum=3"
+    assert all(t.daemon for t in threading.enumerate() if t.name == "tool hang")
+
+
 @pytest.mark.parametrize("returned", [None, b"bytes", object()])
 def test_a_result_without_text_form_is_not_text(returned):
     def bad(x: int) -> str:

@@ -2,12 +2,12 @@
 
 Where tools execute: in the rollout worker process, in its asyncio event loop, beside the generation of the other
 trajectories (never in the controller process). An async ``execute`` runs in the loop itself; a plain sync
-function (FunctionTool) runs in a thread of the loop's default executor (``asyncio.to_thread``), so that one slow
-tool does not hold up the others. The calls of one turn run concurrently, each under its own time limit
-(``timeout_s``). A thread cannot be killed: when a sync function hangs, its time limit returns control to the loop
-and the trajectory goes on with a "timeout" observation, while the thread is abandoned and keeps its executor slot
-(``min(32, CPUs + 4)`` of them) until the function returns. ``asyncio.run`` waits for such threads when it ends,
-and so does the interpreter at exit (concurrent.futures joins its threads); ``loop.close()`` does not wait.
+function (FunctionTool) runs in a daemon thread of its own, so that one slow tool does not hold up the others. The
+calls of one turn run concurrently, each under its own time limit (``timeout_s``). A thread cannot be killed: when a
+sync function hangs, its time limit returns control to the loop and the trajectory goes on with a "timeout"
+observation, while the thread is abandoned until the function returns. It holds nothing else: no executor slot
+that later calls would queue behind (``asyncio.to_thread`` has ``min(32, CPUs + 4)``: six hung calls on two cores
+would time out every later sync call), and being a daemon it does not keep the worker process from exiting.
 No process pool instead: verl tools keep per-trajectory state in their own object (``create`` ... ``release``),
 which a separate process would not share, and the results must come back within the turn.
 

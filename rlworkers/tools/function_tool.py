@@ -17,18 +17,21 @@ since verl's ``OpenAIFunctionPropertySchema`` has a single ``type`` and string `
 and what that model has no field for is dropped (``items`` of a list, ``nullable`` of ``int | None``). A parameter
 with a default is optional.
 
-The call is ``fn(**arguments)``. An async function is awaited in the event loop; a sync one runs in a thread
-(``asyncio.to_thread``) so that a slow tool does not hold up the other calls (rlworkers.tools.execution says what
-happens to a thread that hangs). The value returned becomes the text the model reads: a ``str`` as it is; an int,
-float or bool through ``str()``; a dict or list as JSON. Anything else (None, bytes, other objects) raises
-``NotTextResultError``, which the execution turns into an error observation of kind "not_text".
+The call is ``fn(**arguments)``. An async function is awaited in the event loop; a sync one runs in a daemon thread
+of its own (``run_in_daemon_thread``) so that a slow tool does not hold up the other calls, and a hung one holds
+only its own thread (rlworkers.tools.execution says what happens to it). The value returned becomes the text the
+model reads: a ``str`` as it is; an int, float or bool through ``str()``; a dict or list as JSON. Anything else
+(None, bytes, other objects) raises ``NotTextResultError``, which the execution turns into an error observation of
+kind "not_text".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +68,38 @@ class FunctionTool(BaseTool):
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**parameters)
         else:
-            result = await asyncio.to_thread(self.fn, **parameters)
+            result = await run_in_daemon_thread(self.fn, **parameters)
         return ToolResponse(text=result_as_text(result)), 0.0, {}
+
+
+async def run_in_daemon_thread(fn: Callable[..., Any], /, **kwargs) -> Any:
+    """``fn(**kwargs)`` in a daemon thread of its own, awaited. Unlike ``asyncio.to_thread`` (the loop's executor:
+    ``min(32, CPUs + 4)`` threads, joined at exit), a call that never returns holds only its own thread: it takes
+    no slot that later calls would queue behind, and it does not keep the worker process from exiting."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the call's time limit cancelled it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def call() -> None:
+        try:
+            result, error = context.run(fn, **kwargs), None
+        except BaseException as raised:  # SystemExit too: the awaiting side decides what it means
+            result, error = None, raised
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile (the trajectory ended without this call)
+            pass
+
+    threading.Thread(target=call, name=f"tool {getattr(fn, '__name__', fn)}", daemon=True).start()
+    return await future
 
 
 def function_tool_schema(fn: Callable[..., Any]) -> OpenAIFunctionToolSchema:
