@@ -33,7 +33,7 @@ def test_entrypoints_and_parameters_are_valid():
         # no deployment concurrency limit: a pause releases it and crashes the paused run (flows/run_lock.py)
         assert "concurrency_limit" not in deployment
         names.append(deployment["name"])
-    assert {"nightly-grpo", "weekly-sft"} <= set(names)
+    assert {"nightly-grpo", "weekly-sft", "agent-sft", "agent-nightly"} <= set(names)
 
 
 def test_prefect_deploy_registers_schedules_and_limits(services):
@@ -70,6 +70,9 @@ def test_prefect_deploy_registers_schedules_and_limits(services):
     assert "rlflow" in nightly.tags  # what the crash automations match on
     assert nightly.work_pool_name == "rlflow"
     assert "config" in nightly.parameter_openapi_schema["properties"]  # the UI's parameter form
+    agent = deployments["agent-nightly"].parameters["config"]  # an agent lineage, from the agent SFT lineage
+    assert agent["trainer"]["lineage"] == "agent" and agent["model"]["path"] == "models:/agent-sft@champion"
+    assert agent["rollout"]["multi_turn"]["enable"] and deployments["agent-nightly"].schedules
 
 
 def test_a_deployment_run_starts_ray_as_its_config_asks(services, tmp_path):
