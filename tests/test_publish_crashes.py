@@ -169,3 +169,17 @@ def test_a_decision_moves_the_alias_once_and_only_from_the_champion_it_was_made_
         list(pool.map(lambda i: move_champion(client, name, "champion", str(1 + i % 3), "by hand", f"#{i}"), range(16)))
     history = champion_history(client, name)
     assert len(history) == 3 + 16 and {m["reason"] for m in history[3:]} == {f"#{i}" for i in range(16)}
+
+
+def test_the_next_run_continues_from_the_run_that_finished_last(services):
+    """Two runs of a lineage that overlapped (one started first and finished last): the parent of the next run is
+    the one that finished last, whose data cursor is the newer one, not the one that started last."""
+    from flows.lineage import lineage_parent
+
+    client, lineage = MlflowClient(), f"overlap-{uuid.uuid4().hex[:6]}"
+    experiment = client.create_experiment(lineage)
+    long_run = client.create_run(experiment, start_time=1_000, tags={"rlflow.lineage": lineage}).info.run_id
+    short_run = client.create_run(experiment, start_time=2_000, tags={"rlflow.lineage": lineage}).info.run_id
+    client.set_terminated(short_run, "FINISHED", end_time=3_000)
+    client.set_terminated(long_run, "FINISHED", end_time=4_000)
+    assert lineage_parent(client, experiment, lineage).info.run_id == long_run
