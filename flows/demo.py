@@ -112,9 +112,24 @@ def _report(urls: dict, phases: list[tuple], title: str) -> None:
         )
         links.append(f"  {phase}: {urls['mlflow_ui']}/#/experiments/{experiment_id}/runs/{run.info.run_id}")
     console.print(table)
+    for phase, config, _ in phases:
+        console.print(f"{phase}: {paired_test(config)}")
     console.print(f"done in {sum(seconds for _, _, seconds in phases):.0f} s")
     console.print("MLflow runs:\n" + "\n".join(links))
     console.print(f"Prefect UI (flow runs, task runs per stage, checkpoint artifacts): {urls['prefect_ui']}")
     console.print(f"MLflow UI (metrics, params, sample generations, model): {urls['mlflow_ui']}")
     console.print("Checkpoints and final models: " + " and ".join(runs_root(config) for _, config, _ in phases))
     console.print("Stop the servers with `.venv/bin/rlflow server down`.")
+
+
+def paired_test(config) -> str:
+    """The run's final model against its start model on the same held-out examples, as the promotion gate compares
+    (flows/evaluation.py): the difference with its interval, how many examples went up and down, and the exact test."""
+    from flows.config import runs_root
+    from flows.evaluation import EvalResults, compare, describe, results_path
+    from rlworkers.checkpoint import read_json
+
+    root, primary = runs_root(config), config.eval.primary_set
+    start, final = (EvalResults(**read_json(results_path(root, label, primary))) for label in ("start", "final"))
+    comparison = compare(final, start, "its start model", confidence=config.eval.confidence, margin=config.eval.margin)
+    return f"the final model on {primary!r} is {describe(comparison)}"

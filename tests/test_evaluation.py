@@ -363,3 +363,21 @@ def test_the_best_versions_margin_check_asks_for_evidence():
     versus_best = decision.comparisons[-1].paired
     assert not decision.promote and "not shown to be less than 0.02 below the lineage's best" in decision.reason
     assert versus_best.difference == 0 and (versus_best.wins, versus_best.losses) == (13, 13)
+
+
+def test_the_demo_reports_the_gates_paired_test_of_final_against_start(tmp_path):
+    """`rlflow demo` prints, per phase, the final model against its start model on the same held-out examples: the
+    difference, its interval, the examples up and down and the exact test (what the promotion gate would say)."""
+    from flows.demo import paired_test
+    from flows.evaluation import EvalResults, write_results
+
+    config = load_config("demo", [f"trainer.runs_dir={tmp_path}", "trainer.run_name=phase"])
+    root = f"{tmp_path}/phase"
+    start = [1.0] * 20 + [0.0] * 80  # 20 of 100 right before, 60 after: 41 up, 1 down
+    final = [1.0] * 19 + [0.0] + [1.0] * 41 + [0.0] * 39
+    for label, scores in (("start", start), ("final", final)):
+        rows = [dict(index=i, prompt="", response="", ground_truth="", score=s) for i, s in enumerate(scores)]
+        write_results(root, EvalResults("validation", label, "f" * 16, "m", rows, step=0 if label == "start" else 30))
+    said = paired_test(config)
+    assert said.startswith("the final model on 'validation' is better than its start model (0.600 vs 0.200")
+    assert "n=100, 41 up / 1 down, McNemar p" in said
