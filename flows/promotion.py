@@ -34,7 +34,7 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     else:
         get_run_logger().info("%s v%s: finishing the decision an earlier attempt recorded", name, version)
         markdown = client.get_model_version(name, version).description or ""
-    outcome = versions.apply_decision(client, name, version, trainer.promotion_alias, record, final, markdown)
+    outcome = versions.apply_decision(client, name, version, trainer.promotion_alias, record, final)
     create_markdown_artifact(
         key=f"{artifact_key(trainer.run_name)}-promotion",
         markdown=markdown,

@@ -47,15 +47,14 @@ def recorded_decision(client, name: str, version: str) -> dict | None:
     return json.loads(tags[DECISION_TAG]) if DECISION_TAG in tags else None
 
 
-def apply_decision(client, name: str, version: str, alias: str, record: dict, results: dict, description: str) -> dict:
+def apply_decision(client, name: str, version: str, alias: str, record: dict, results: dict) -> dict:
     """Act on a recorded decision; repeating it changes nothing. Tags ``version`` with its eval results and the
-    decision, describes it, and moves ``alias`` to it when the decision promotes, only while the alias still
+    decision, and moves ``alias`` to it when the decision promotes, only while the alias still
     points at the champion the decision was made against (compare-and-set): when someone moved it meanwhile (``rlflow
     promote`` or ``rollback`` during a long approval), the version is not promoted, and says why. Returns the
-    decision as it stands (``promoted``, ``reason``)."""
+    decision as it stands (``promoted``, ``reason``). (The description was written with the decision.)"""
     for result in results.values():
         tag_results(client, name, version, result)
-    client.update_model_version(name, version, description=description)
     if record["promote"]:
         move = record["move"]
         if move["key"] not in moves(client, name):  # an earlier attempt may have moved the alias already

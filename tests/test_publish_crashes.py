@@ -143,7 +143,7 @@ def test_a_decision_moves_the_alias_once_and_only_from_the_champion_it_was_made_
                    None, "v1's comparison")  # fmt: skip
     assert recorded_decision(client, name, "1") == first
     for _ in range(2):
-        assert apply_decision(client, name, "1", "champion", first, {}, "v1's comparison") == {
+        assert apply_decision(client, name, "1", "champion", first, {}) == {
             "promoted": True,
             "reason": "first version",
         }
@@ -152,7 +152,7 @@ def test_a_decision_moves_the_alias_once_and_only_from_the_champion_it_was_made_
     second = decide(client, name, "2", "champion", GateDecision(True, "better than v1", [], None),
                     "promoted by its run", "1", "v2's comparison")  # fmt: skip
     promote_by_hand(client, name, "champion", "3", "the team trusts v3")  # while v2 waited for its approval
-    outcome = apply_decision(client, name, "2", "champion", second, {}, "v2's comparison")
+    outcome = apply_decision(client, name, "2", "champion", second, {})
     assert not outcome["promoted"] and "moved from v1 to v3" in outcome["reason"]
     assert client.get_model_version_by_alias(name, "champion").version == "3"
     assert client.get_model_version(name, "2").tags["rejected"] == outcome["reason"]

@@ -263,17 +263,24 @@ def test_wrong_arguments_are_an_exception_outcome():
     assert outcome.error == "exception" and "TypeError" in outcome.text
 
 
-def test_hung_tools_time_out_and_the_turn_returns():
-    release_thread = threading.Event()
+def hanging_sync_tool(release: threading.Event, name: str) -> BaseTool:
+    """A sync tool named ``name`` that returns only once ``release`` is set (or after 30 s)."""
 
-    def hang_sync(x: int) -> str:
+    def hang(x: int) -> str:
         """Hang in a thread.
 
         Args:
             x: Ignored.
         """
-        release_thread.wait(10)
+        release.wait(30)
         return "late"
+
+    hang.__name__ = hang.__qualname__ = name
+    return fn_tool(hang)
+
+
+def test_hung_tools_time_out_and_the_turn_returns():
+    release_thread = threading.Event()
 
     async def hang_async(x: int) -> str:
         """Hang in the loop.
@@ -286,10 +293,10 @@ def test_hung_tools_time_out_and_the_turn_returns():
 
     try:
         outcomes, seconds = run_turn(
-            [fn_tool(hang_sync), fn_tool(hang_async)],
+            [hanging_sync_tool(release_thread, "hang_sync"), fn_tool(hang_async)],
             call("hang_sync", x=1) + call("hang_async", x=1),
             timeout_s=0.2,
-            after_turn=release_thread.set,  # else asyncio.run waits for the abandoned thread when it ends
+            after_turn=release_thread.set,  # frees the abandoned thread as soon as the turn is over
         )
     finally:
         release_thread.set()
@@ -303,17 +310,8 @@ def test_hung_sync_tools_leave_later_calls_free_to_run():
     quick one: each hung call holds only its own thread, so the quick call still answers in time."""
     release_threads = threading.Event()
 
-    def hang(x: int) -> str:
-        """Hang in a thread.
-
-        Args:
-            x: Ignored.
-        """
-        release_threads.wait(30)
-        return "late"
-
     async def turns() -> list:
-        tools = {"hang": fn_tool(hang), "add": fn_tool(add)}
+        tools = {"hang": hanging_sync_tool(release_threads, "hang"), "add": fn_tool(add)}
         ids = {"hang": "h", "add": "a"}
         hung = await run_calls(tools, ids, [ToolCall("hang", {"x": i}) for i in range(40)], [], 0.2, 100)
         quick = await run_calls(tools, ids, [ToolCall("add", {"a": 1, "b": 2})], [], 2.0, 100)
