@@ -204,6 +204,18 @@ def test_an_environment_gives_feedback_as_a_user_turn_and_its_rewards_add_up(tok
     assert sorted(GuessTheNumber.closed) == ["42", "7"]
 
 
+@pytest.mark.parametrize("limit", [{"max_assistant_turns": 3}, {"max_user_turns": 2}])
+def test_the_environment_judges_the_last_answer_a_limit_allows(tokenizer, limit):
+    """Three tries (two feedback turns): the third answer is scored, though no feedback may follow it."""
+    model = ScriptedModel(tokenizer, [["40", "41", "42", "43"], ["1", "2", "3", "4"]])
+    config = MultiTurnConfig(enable=True, environment="x.py:GuessTheNumber", **limit)
+    prompts = prompts_of(tokenizer, ["Guess", "Guess"], secret="42")
+    out = run(AgentLoop(config, tokenizer, [], GuessTheNumber), prompts, model)
+    assert list(out.non_tensor_batch["agent/turns"]) == [3, 3]
+    assert list(out.non_tensor_batch["agent/reward"]) == pytest.approx([0.8, -0.3])  # right at the third, never
+    assert [m["role"] for m in out.non_tensor_batch["trajectory"][1]][-2:] == ["user", "assistant"]
+
+
 class CountingTool(FunctionTool):
     """multiply, counting its instances."""
 

@@ -147,18 +147,20 @@ class AgentLoop:
         t.assistant_turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         t.messages.append({"role": "assistant", "content": text, "tool_calls": []})
-        if not output.stopped and len(ids) >= left:  # the trajectory's budget ran out mid-turn
+        if not output.stopped and len(ids) >= left:  # the trajectory's budget ran out mid-turn: no answer to judge
             t.done = t.cut = True
-        elif t.assistant_turns >= self.config.max_assistant_turns:
-            t.done = True
         # a turn that reached max_turn_tokens without ending goes on like one that ended: the template's end of
         # turn follows it as context (continuation_ids)
 
     async def _respond(self, t: Trajectory, session: ToolSession, environment, response_length: int) -> None:
         """Tool results for the calls of ``t``'s last turn, or the environment's observation; or the end of ``t``."""
         turn = t.messages[-1]
+        last_turn = t.assistant_turns >= self.config.max_assistant_turns
         parsed = parse_tool_calls(turn["content"]) if self.tools else None
         if parsed is not None and (parsed.calls or parsed.errors):
+            if last_turn:  # no turn is left to read the results
+                t.done = True
+                return
             calls = parsed.calls[: self.config.max_parallel_calls]
             turn["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
             outcomes = await session.run(
@@ -173,18 +175,16 @@ class AgentLoop:
             t.tool_seconds += sum(o.seconds for o in outcomes)
             t.reward += sum(o.reward for o in outcomes)
             messages = [{"role": "tool", "content": o.text, "name": o.name, "error": o.error} for o in outcomes]
-        elif environment is not None:
-            if self.config.max_user_turns is not None and t.user_turns >= self.config.max_user_turns:
-                t.done = True
-                return
+        elif environment is not None:  # every answer is judged, the last one too; only its feedback may go unsaid
             started = time.perf_counter()
             observation, reward, done = await call(environment.step, turn["content"])
             t.tool_seconds += time.perf_counter() - started
             t.reward += float(reward)
-            t.user_turns += 1
-            if done or not observation:
+            out_of_user_turns = self.config.max_user_turns is not None and t.user_turns >= self.config.max_user_turns
+            if done or not observation or last_turn or out_of_user_turns:
                 t.done = True
                 return
+            t.user_turns += 1
             messages = [{"role": "user", "content": str(observation)}]
         else:
             t.done = True
