@@ -240,10 +240,17 @@ def check_checkpoint_fits(
     problems = []
     if state.get("algorithm") != algorithm:
         problems.append(f"it is a {state.get('algorithm')} checkpoint and this is the {algorithm} flow")
-    if state.get("world_size") not in (None, config.trainer.n_workers):
+    trained = ("actor", "critic") if algorithm == "ppo" else ("actor",)
+    for role in trained:
+        was, now = saved.get(role, {}).get("strategy", "ddp"), getattr(config, role).strategy
+        if was != now:
+            problems.append(f"it was trained with {role}.strategy={was} and this run has {role}.strategy={now}")
+    # a sharded checkpoint loads on any number of workers (DCP reshards it); a DDP one on its own number only
+    resharded = all(getattr(config, role).strategy == "fsdp2" for role in trained)
+    if state.get("world_size") not in (None, config.trainer.n_workers) and not resharded:
         problems.append(
             f"it was written by {state['world_size']} actor workers and this run has "
-            f"trainer.n_workers={config.trainer.n_workers}"
+            f"trainer.n_workers={config.trainer.n_workers} (with actor.strategy=fsdp2 it could load on any number)"
         )
     saved_model = saved.get("model", {}).get("path")
     if saved_model not in (None, config.model.path):

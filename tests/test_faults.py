@@ -207,12 +207,19 @@ def test_a_checkpoint_of_another_run_shape_is_refused_before_workers_start():
     check_checkpoint_fits("/runs/x/checkpoints/step_4", state, config, "grpo")  # the same shape resumes
     wider = load_config("demo", ["trainer.n_workers=4", "model.path=tiny", "actor.ppo_micro_batch_size_per_gpu=32"])
     other_model = load_config("demo", ["trainer.n_workers=2", "model.path=/models/other"])
+    sharded = load_config("demo", ["trainer.n_workers=2", "model.path=tiny", "actor.strategy=fsdp2"])
     for run_config, algorithm, expected in [
         (config, "ppo", "it is a grpo checkpoint and this is the ppo flow"),
         (wider, "grpo", "written by 2 actor workers and this run has trainer.n_workers=4"),
         (other_model, "grpo", "it trains model.path='tiny' and this run names '/models/other'"),
+        (sharded, "grpo", "it was trained with actor.strategy=ddp and this run has actor.strategy=fsdp2"),
     ]:
         with pytest.raises(CheckpointMismatch, match="cannot resume /runs/x/checkpoints/step_4") as info:
             check_checkpoint_fits("/runs/x/checkpoints/step_4", state, run_config, algorithm)
         assert expected in str(info.value) and "Fix:" in str(info.value)
         assert pickle.loads(pickle.dumps(info.value)).args == info.value.args
+    # a sharded checkpoint loads on another number of workers: DCP reshards it
+    sharded_state = {**state, "config": sharded.model_dump(mode="json")}
+    wider_sharded = load_config("demo", ["trainer.n_workers=4", "model.path=tiny", "actor.strategy=fsdp2",
+                                         "actor.ppo_micro_batch_size_per_gpu=32"])  # fmt: skip
+    check_checkpoint_fits("/runs/x/checkpoints/step_4", sharded_state, wider_sharded, "grpo")

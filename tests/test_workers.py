@@ -304,6 +304,8 @@ def test_critic_values_and_update(worker):
     out.batch["returns"] = torch.ones(16, 5) * out.batch["response_mask"]
     losses = [critic.update_critic(out).meta_info["metrics"]["critic/vf_loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
+    after = critic.compute_values(out).batch["values"]  # no dropout left on by the update's train()
+    assert torch.equal(critic.compute_values(out).batch["values"], after)
 
 
 def test_advantage_step_and_metrics(worker):
@@ -374,3 +376,5 @@ def test_critic_applies_autocast_and_gradient_checkpointing(worker):
     out.batch["returns"] = torch.ones(16, 5) * out.batch["response_mask"]
     losses = [critic.update_critic(out).meta_info["metrics"]["critic/vf_loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
+    after = critic.compute_values(out).batch["values"]  # no dropout left on by the update's train()
+    assert torch.equal(critic.compute_values(out).batch["values"], after)

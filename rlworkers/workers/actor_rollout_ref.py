@@ -7,8 +7,11 @@
   update is visible to the next rollout without a copy.
 * ``ref``: a frozen copy of the initial policy (``compute_ref_log_prob``) for KL.
 
-Data parallel over the group with torch DDP (gloo on CPU, nccl on CUDA): each worker gets an equal slice of the
-batch (the single controller pads), gradients are all-reduced, replicas stay identical.
+Data parallel over the group (gloo on CPU, nccl on CUDA): each worker gets an equal slice of the batch (the single
+controller pads). ``actor.strategy: ddp`` (default): torch DDP, every worker holds the whole model, gradients are
+all-reduced, replicas stay identical. ``fsdp2``: the policy and the reference are sharded over the workers
+(``rlworkers.workers.fsdp``); HF generation runs on the policy's gathered parameters, vLLM takes them tensor by tensor,
+checkpoints are each rank's shard (``torch.distributed.checkpoint``).
 
     role="actor_rollout_ref" | "actor_rollout" | "actor" | "rollout" | "ref"
 """
@@ -34,7 +37,7 @@ from rlworkers.models.loading import (
 )
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
-from rlworkers.workers import common
+from rlworkers.workers import common, fsdp
 from rlworkers.workers.config import WorkerConfig
 from rlworkers.workers.rollout import build_rollout, sampling_request
 
@@ -66,10 +69,12 @@ class ActorRolloutRefWorker(Worker):
         self.base_path = base_model_path(path)  # path itself unless it is a LoRA adapter folder
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
         self.ref_model = None
+        self.sharded = cfg.actor.strategy == "fsdp2"
         if self._is_actor or self._is_rollout:
-            self.model = self._load_policy(path)
+            self.model = self._shard(self._load_policy(path))
         if self._is_actor:
-            self.module = common.wrap_data_parallel(self.model, self.device)  # DDP syncs what requires grad only
+            # DDP syncs what requires grad only; a sharded model is its own data-parallel wrapper
+            self.module = self.model if self.sharded else common.wrap_data_parallel(self.model, self.device)
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = common.build_optimizer(trainable, cfg.actor.optim)
             self.lr_scheduler = common.build_lr_scheduler(self.optimizer, cfg.actor.optim)
@@ -83,9 +88,20 @@ class ActorRolloutRefWorker(Worker):
                 self.agent_loop = build_agent_loop(cfg.rollout.multi_turn, self.tokenizer)
         if self._is_ref and not (self.lora and (self._is_actor or self._is_rollout)):
             # with LoRA the reference is the base: the policy's own module with its adapter disabled, or here alone
-            self.ref_model = self._load(self.base_path if self.lora else path).to(self.device)
+            self.ref_model = self._shard(self._load(self.base_path if self.lora else path).to(self._load_device))
             self.ref_model.eval().requires_grad_(False)
         common.seed_everything(cfg.seed + 1000 * (self.rank + 1))  # different samples on every rank
+
+    @property
+    def _load_device(self) -> str:
+        return "cpu" if self.sharded else self.device  # fully_shard moves each shard to the device, not the whole
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``actor.strategy=fsdp2``: ``model`` sharded over the workers (mixed precision from ``model.autocast``)."""
+        if not self.sharded:
+            return model
+        compute_dtype = torch_dtype(self.config.model.autocast) if self.config.model.autocast else None
+        return fsdp.shard_model(model, self.config.actor.fsdp_config, self.device, compute_dtype)
 
     def _load(self, path: str) -> torch.nn.Module:
         cfg = self.config.model
@@ -100,7 +116,7 @@ class ActorRolloutRefWorker(Worker):
             model = self._load(path)
             if cfg.model.gradient_checkpointing:
                 model.gradient_checkpointing_enable(**checkpointing)
-            return model.to(self.device)
+            return model.to(self._load_device)
         base = self._load(self.base_path)
         if cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable(**checkpointing)
@@ -121,7 +137,8 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_rollout, "generate_sequences", "rollout")
         hf = self.config.rollout.name == "hf"  # vLLM runs its own kernels in the model's dtype
         prompts = common.to_device(prompts, self.device)
-        with self._autocast() if hf else contextlib.nullcontext(), self._own_random_state(prompts) as prompts:
+        gathered = fsdp.gathered(self.model) if hf else contextlib.nullcontext()  # no collective while generating
+        with self._autocast() if hf else contextlib.nullcontext(), gathered, self._own_random_state(prompts) as prompts:
             if self.agent_loop is None:
                 return self.rollout.generate_sequences(prompts).to("cpu")
             request = sampling_request(prompts, self.config.rollout)  # several turns, tools between them
@@ -328,7 +345,7 @@ class ActorRolloutRefWorker(Worker):
         return contextlib.nullcontext()
 
     def _optimizer_step(self, grad_clip: float) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        grad_norm = common.clip_grad_norm(self.model.parameters(), grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -342,9 +359,14 @@ class ActorRolloutRefWorker(Worker):
         """The policy (or, on a reference-only worker, the reference) and its tokenizer as an HF folder, from rank
         0: what is published and registered, nothing else. With LoRA: the adapter folder (``lora.save_adapter``:
         the adapter, the tokenizer, and its pinned base), or with ``merged`` the adapter merged into the base."""
+        model = self._primary_model()
+        if fsdp.is_sharded(model):  # every rank sends its shards; rank 0 writes
+            weights = fsdp.full_state_dict(model)
+            if self.rank == 0:
+                common.save_model(model, self.tokenizer, path, state_dict=weights)
+            return
         if self.rank != 0:
             return
-        model = self._primary_model()
         if not self.lora or model is self.ref_model:
             common.save_model(model, self.tokenizer, path)
         elif merged:
@@ -358,12 +380,18 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """The model folder (``save_model``) plus each rank's optimizer, scheduler and RNG state."""
-        self.save_model(path)
+        """The model folder (``save_model``), or with fsdp2 every rank's shard of the model and optimizer state
+        (``fsdp.save_sharded``, no gather), plus each rank's optimizer, scheduler and RNG state."""
+        if fsdp.is_sharded(self._primary_model()):
+            fsdp.save_sharded(
+                f"{path}/{fsdp.SHARDS}", self._primary_model(), self.optimizer if self._is_actor else None
+            )
+        else:
+            self.save_model(path)
         if self._is_actor:
             common.save_torch(
                 {
-                    "optimizer": self.optimizer.state_dict(),
+                    **({} if self.sharded else {"optimizer": self.optimizer.state_dict()}),
                     "lr_scheduler": self.lr_scheduler.state_dict(),
                     "update_steps": self.update_steps,
                     "rng": common.rng_state_to_tensors(common.rng_state()),
@@ -377,7 +405,12 @@ class ActorRolloutRefWorker(Worker):
         reference-only worker; a colocated reference stays the start model) and, for the actor, this rank's
         optimizer/scheduler/RNG."""
         model = self._primary_model()
-        if self.lora and model is not self.ref_model:
+        sharded = fsdp.is_sharded(model)
+        if sharded:  # each rank reads its shard, resharded when the checkpoint was saved by another number of workers
+            fsdp.load_sharded(
+                f"{path}/{fsdp.SHARDS}", model, self.optimizer if self._is_actor and load_optimizer else None
+            )
+        elif self.lora and model is not self.ref_model:
             lora.load_adapter_weights(model, path)
         else:
             missing, unexpected = model.load_state_dict(common.load_weights(path), strict=False)
@@ -389,16 +422,29 @@ class ActorRolloutRefWorker(Worker):
                 )
         self._sync_rollout_weights()
         if self._is_actor and load_optimizer:
-            saved = common.load_torch(f"{path}/actor_state_rank_{self.rank}.pt")
-            self.optimizer.load_state_dict(saved["optimizer"])
+            own = f"{path}/actor_state_rank_{self.rank}.pt"
+            if sharded and not common.exists(own):  # saved by fewer workers: the schedule is the same on every rank
+                saved = common.load_torch(f"{path}/actor_state_rank_0.pt")
+                logger.warning("rank %d: %s has no RNG state of this rank; it keeps its own", self.rank, path)
+                saved.pop("rng")
+            else:
+                saved = common.load_torch(own)
+            if not sharded:
+                self.optimizer.load_state_dict(saved["optimizer"])
             self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
             self.update_steps = saved["update_steps"]
-            common.set_rng_state(common.rng_state_from_tensors(saved["rng"]))
+            if "rng" in saved:
+                common.set_rng_state(common.rng_state_from_tensors(saved["rng"]))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_weights_checksum(self) -> float:
-        """Sum of all weights in float64: equal across ranks when data-parallel replicas are in sync."""
-        return float(sum(p.detach().double().sum() for p in self._primary_model().parameters()))
+        """Sum of all weights in float64: equal across ranks when data-parallel replicas are in sync (sharded: the
+        whole model's, gathered)."""
+        model = self._primary_model()
+        if fsdp.is_sharded(model):
+            names = {name for name, _ in model.named_parameters()}
+            return float(sum(t.double().sum() for name, t in fsdp.full_weights(model) if name in names))
+        return float(sum(p.detach().double().sum() for p in model.parameters()))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_parameter_counts(self) -> dict:

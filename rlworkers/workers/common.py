@@ -123,6 +123,20 @@ def wrap_data_parallel(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that also takes sharded (DTensor) gradients: their norm is the whole model's, the same on
+    every rank."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -180,6 +194,11 @@ def save_torch(obj, path: str) -> None:
         torch.save(obj, f)
 
 
+def exists(path: str) -> bool:
+    fs, local = fsspec.core.url_to_fs(path)
+    return fs.exists(local)
+
+
 def load_torch(path: str):
     """Load optimizer/scheduler/RNG state without unpickling arbitrary objects."""
     with fsspec.open(path, "rb") as f:
@@ -194,9 +213,10 @@ def load_weights(folder: str) -> dict[str, torch.Tensor]:
         return load(f.read())
 
 
-def save_model(model, tokenizer, folder: str) -> None:
-    """Weights (safetensors) and, if given, the tokenizer as an HF folder on any fsspec path."""
+def save_model(model, tokenizer, folder: str, state_dict: dict | None = None) -> None:
+    """Weights (safetensors; ``state_dict`` when given, e.g. a sharded model's gathered weights) and, if given, the
+    tokenizer as an HF folder on any fsspec path."""
     with staged_dir(folder) as local:
-        model.save_pretrained(local, safe_serialization=True)
+        model.save_pretrained(local, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(local)

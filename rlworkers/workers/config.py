@@ -145,6 +145,29 @@ class LoraConfig(_Frozen):
         return self
 
 
+Strategy = Literal["ddp", "fsdp2"]
+
+
+class FSDPConfig(_Frozen):
+    """FSDP2 settings (``strategy: fsdp2``; verl's ``fsdp_config`` names). Mixed precision comes from
+    ``model.autocast``: the gathered parameters are cast to it for compute, gradients are reduced in float32, the
+    sharded master weights and AdamW's state stay float32 (``torch.distributed.fsdp.MixedPrecisionPolicy``)."""
+
+    reshard_after_forward: bool = Field(
+        True, description="free each layer's gathered parameters after its forward (less memory, one more all-gather)"
+    )
+    offload_policy: bool = Field(
+        False,
+        description="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state in CPU memory, the "
+        "optimizer step on the CPU (a GPU run's memory for speed; nothing changes on a CPU-only run)",
+    )
+    wrap_policy: list[str] | None = Field(
+        None,
+        description="module class names sharded as units (verl's transformer_layer_cls_to_wrap); default: the "
+        "model's own _no_split_modules (its decoder layer), each layer one unit",
+    )
+
+
 class ActorConfig(_Frozen):
     ppo_mini_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, whole group")
     ppo_micro_batch_size_per_gpu: int = Field(8, gt=0, description="sequences per forward/backward on a worker")
@@ -162,6 +185,21 @@ class ActorConfig(_Frozen):
     kl_loss_type: KLEstimator = "low_var_kl"
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig = LoraConfig()
+    strategy: Strategy = Field(
+        "ddp",
+        description="ddp: every worker holds the whole model (and the reference); fsdp2: parameters, gradients and "
+        "optimizer state sharded over the workers (torch's fully_shard), for models one worker cannot hold",
+    )
+    fsdp_config: FSDPConfig = FSDPConfig()
+
+    @model_validator(mode="after")
+    def _check_strategy(self):
+        if self.strategy == "fsdp2" and self.lora.enabled:
+            raise ValueError(
+                "actor.strategy=fsdp2 with actor.lora is not supported yet: a LoRA adapter is small enough for ddp "
+                "(actor.strategy=ddp), or train the whole model with fsdp2 (actor.lora.rank=0)"
+            )
+        return self
 
 
 class CriticConfig(_Frozen):
@@ -172,6 +210,8 @@ class CriticConfig(_Frozen):
     cliprange_value: float = Field(0.5, gt=0)
     loss_agg_mode: LossAggMode = "token-mean"
     optim: OptimConfig = OptimConfig(lr=1e-4)
+    strategy: Strategy = Field("ddp", description="as actor.strategy, for the value model")
+    fsdp_config: FSDPConfig = FSDPConfig()
 
 
 class RewardConfig(_Frozen):

@@ -16,7 +16,7 @@ from rlworkers.algorithms.core_algos import compute_value_loss, masked_mean
 from rlworkers.models.loading import base_model_path, resolve_model_path, torch_dtype
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import Dispatch, Worker, register
-from rlworkers.workers import common
+from rlworkers.workers import common, fsdp
 from rlworkers.workers.config import CriticConfig, ModelConfig
 
 
@@ -49,8 +49,13 @@ class CriticWorker(Worker):
         )
         if self.model_config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model.to(self.device)
-        self.module = common.wrap_data_parallel(self.model, self.device)
+        if self.config.strategy == "fsdp2":  # sharded over the workers; mixed precision from model.autocast
+            autocast = self.model_config.autocast
+            compute_dtype = torch_dtype(autocast) if autocast else None
+            self.module = fsdp.shard_model(self.model, self.config.fsdp_config, self.device, compute_dtype)
+        else:
+            self.model.to(self.device)
+            self.module = common.wrap_data_parallel(self.model, self.device)
         self.optimizer = common.build_optimizer(self.model.parameters(), self.config.optim)
         self.lr_scheduler = common.build_lr_scheduler(self.optimizer, self.config.optim)
 
@@ -68,6 +73,7 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         data = common.to_device(data, self.device)
+        self.model.eval()  # no dropout (the token head's classifier dropout is 0.1) in the values GAE uses
         with torch.no_grad():
             values = torch.cat(
                 [
@@ -107,7 +113,7 @@ class CriticWorker(Worker):
                     metrics["critic/vf_loss"].append(vf_loss.item())
                     metrics["critic/vf_clipfrac"].append(vf_clipfrac.item())
                     metrics["critic/vpred_mean"].append(masked_mean(vpreds, batch["response_mask"]).item())
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+                grad_norm = common.clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 self.optimizer.zero_grad()
@@ -118,17 +124,28 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        if self.rank == 0:
+        """The value model (HF folder from rank 0) and each rank's optimizer state; with fsdp2 every rank's shard of
+        both (``fsdp.save_sharded``)."""
+        sharded = fsdp.is_sharded(self.model)
+        if sharded:
+            fsdp.save_sharded(f"{path}/{fsdp.SHARDS}", self.model, self.optimizer)
+        elif self.rank == 0:
             common.save_model(self.model, None, path)
-        common.save_torch(
-            {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
-            f"{path}/critic_state_rank_{self.rank}.pt",
-        )
+        state = {"lr_scheduler": self.lr_scheduler.state_dict()}
+        if not sharded:
+            state["optimizer"] = self.optimizer.state_dict()
+        common.save_torch(state, f"{path}/critic_state_rank_{self.rank}.pt")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
-        self.model.load_state_dict(common.load_weights(path))
+        sharded = fsdp.is_sharded(self.model)
+        if sharded:
+            fsdp.load_sharded(f"{path}/{fsdp.SHARDS}", self.model, self.optimizer if load_optimizer else None)
+        else:
+            self.model.load_state_dict(common.load_weights(path))
         if load_optimizer:
-            saved = common.load_torch(f"{path}/critic_state_rank_{self.rank}.pt")
-            self.optimizer.load_state_dict(saved["optimizer"])
+            own = f"{path}/critic_state_rank_{self.rank}.pt"
+            saved = common.load_torch(own if common.exists(own) else f"{path}/critic_state_rank_0.pt")
+            if not sharded:
+                self.optimizer.load_state_dict(saved["optimizer"])
             self.lr_scheduler.load_state_dict(saved["lr_scheduler"])

@@ -70,6 +70,7 @@ from vllm import LLM, SamplingParams  # at import: build_rollout turns a missing
 from rlworkers.models.lora import merged_weights
 from rlworkers.protocol import DataProto
 from rlworkers.workers.config import RolloutConfig
+from rlworkers.workers.fsdp import full_weights, is_sharded
 from rlworkers.workers.rollout import SamplingRequest, TurnOutput, rollout_output, sampling_request, stop_token_ids
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,10 @@ class VLLMRollout:
 
     @torch.no_grad()
     def _load_weights(self, model) -> None:
-        weights = ((name, tensor.detach()) for name, tensor in merged_weights(model))  # LoRA: W + B @ A * scale
+        if is_sharded(model):  # fsdp2: each tensor gathered from its shards, handed over, dropped: no second copy
+            weights = full_weights(model)
+        else:
+            weights = ((name, tensor.detach()) for name, tensor in merged_weights(model))  # LoRA: W + B @ A * scale
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
