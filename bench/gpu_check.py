@@ -8,6 +8,10 @@ are not needed (the worker runs in this process, rank 0 of 1), so it runs on a b
 transformers, tensordict and pydantic.
 
     python bench/gpu_check.py [--layers 12] [--hidden 768] [--prompts 64] [--n 8] [--response-length 64] [--steps 4]
+                              [--strategy ddp|fsdp2]
+
+``--strategy fsdp2`` runs the same with the actor and reference sharded by FSDP2 (a world of one GPU: the CUDA path,
+nccl and the MixedPrecisionPolicy, not the memory saving, which needs several).
 
 Prints one table per precision and ends with each one's time per stage against float32's.
 """
@@ -27,6 +31,7 @@ from rlworkers.algorithms import core_algos
 from rlworkers.data.batching import prompt_batch
 from rlworkers.data.synthetic import addition_rows
 from rlworkers.models.tiny import ensure_tiny_model
+from rlworkers.workers import fsdp
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
 from rlworkers.workers.config import WorkerConfig
 from rlworkers.workers.critic import CriticWorker
@@ -64,6 +69,7 @@ def run(precision: str, path: str, args) -> dict[str, float]:
                 "ppo_micro_batch_size_per_gpu": min(32, total // 2),
                 "use_kl_loss": True,
                 "optim": {"lr": args.lr, **optim},
+                "strategy": args.strategy,
             },
         }
     )
@@ -107,7 +113,7 @@ def run(precision: str, path: str, args) -> dict[str, float]:
     assert all(torch.isfinite(torch.tensor(losses))), losses
     moved, rise = learning_probe(worker, gen, args.probe_steps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
-    print(f"\n{precision} ({model}): {total} sequences x {args.response_length} new tokens, {args.steps} steps")
+    print(f"\n{precision} ({model}, {args.strategy}): {total} sequences x {args.response_length} new tokens, {args.steps} steps")
     for key, values in times.items():
         print(f"  {key:<13} {statistics.median(values):7.3f} s (median; min {min(values):.3f})")
     print(f"  max |rollout log-prob - recomputed log-prob| over response tokens: {max(gaps):.2e}")
@@ -143,7 +149,12 @@ def check_critic_and_reward(path: str, args) -> None:
     del actor
     mixed = {"path": path, "autocast": "bfloat16"}
     critic = CriticWorker(
-        {"ppo_mini_batch_size": total // 2, "ppo_micro_batch_size_per_gpu": min(32, total // 2), "optim": {"lr": 1e-5}},
+        {
+            "ppo_mini_batch_size": total // 2,
+            "ppo_micro_batch_size_per_gpu": min(32, total // 2),
+            "optim": {"lr": 1e-5},
+            "strategy": args.strategy,
+        },
         model=mixed,
         device=args.device,
     )
@@ -175,12 +186,12 @@ def learning_probe(worker: ActorRolloutRefWorker, batch, steps: int) -> tuple[fl
     """``steps`` updates with advantage +1 on every response of ``batch``: the share of weight elements that
     changed, and the rise of the batch's mean log-prob per response token (float32 recomputation)."""
     batch.batch["advantages"] = batch.batch["response_mask"].float()
-    before = [p.detach().clone() for p in worker.model.parameters()]
+    before = [w.clone() for _, w in fsdp.full_weights(worker.model)]
     mask = batch.batch["response_mask"].float()
     start = mean_log_prob(worker, batch, mask)
     for _ in range(steps):
         worker.update_actor(batch)
-    changed = sum(int((p.detach() != b).sum()) for p, b in zip(worker.model.parameters(), before))
+    changed = sum(int((w != b).sum()) for (_, w), b in zip(fsdp.full_weights(worker.model), before))
     return changed / sum(b.numel() for b in before), mean_log_prob(worker, batch, mask) - start
 
 
@@ -200,6 +211,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="configs/gpu.yaml's actor.optim.lr")
     parser.add_argument("--probe-steps", type=int, default=5)
     parser.add_argument("--precisions", default="float32,mixed,bf16", help=f"of {', '.join(PRECISIONS)}")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2"], help="the actor's and reference's")
     parser.add_argument("--critic-and-reward", action="store_true", help="also check the critic and a reward model")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
