@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -290,6 +291,80 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
     clean_weights = load_file(f"{env['runs']}/{base}-clean/final_model/model.safetensors")
     weights = load_file(f"{env['runs']}/{base}-faults/final_model/model.safetensors")
     assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
+
+
+def digit_reward(folder) -> str:
+    """A reward that differs between the untrained model's responses (the exact reward scores them all 0)."""
+    (folder / "digits.py").write_text(
+        "def score(prompts, responses, **columns):\n    return [sum(c.isdigit() for c in r) for r in responses]\n"
+    )
+    return f"reward.reward_fn={folder / 'digits.py'}:score"
+
+
+def test_fsdp2_ranks_killed_or_hung_are_replaced_and_the_run_matches_an_uninterrupted_one(env, tmp_path):
+    """actor.strategy=fsdp2: a rank SIGKILLed in its sharded update (mid-collective) and a rank stopped during
+    generation (a hang); each time every rank restores its shard of the step-2 checkpoint and the steps are redone.
+    The final weights (gathered from the shards) equal an uninterrupted fsdp2 run's, bit for bit."""
+    base = f"fsdp-faults-{uuid.uuid4().hex[:6]}"
+    overrides = (
+        "actor.strategy=fsdp2",
+        "trainer.total_steps=4",
+        "trainer.test_freq=0",
+        "trainer.save_freq=2",
+        "trainer.stage_timeout_s=15",
+        "trainer.stage_timeout_s_per_sample=0",
+        "trainer.max_restarts=2",
+        digit_reward(tmp_path),
+    )
+    clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
+    config = small_config(env, f"{base}-faults", *overrides)
+    injector = Injector([])
+    injector.plan = [
+        (checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL),
+        (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
+    ]
+    injector.start()
+    try:
+        state, metrics = run_flow("grpo", config)
+    finally:
+        injector.stop()
+    assert [sig for _, _, sig in injector.done] == [signal.SIGKILL, signal.SIGSTOP]
+    assert clean_state.is_completed() and state.is_completed()
+    client, run = mlflow_run(f"{base}-faults")
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] == [1, 2]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        assert metrics[key] == clean_metrics[key], key
+    checkpoint = f"{runs_root(config)}/checkpoints/step_4/actor/shards"
+    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # shards, no full model
+    clean_weights = load_file(f"{env['runs']}/{base}-clean/final_model/model.safetensors")
+    weights = load_file(f"{env['runs']}/{base}-faults/final_model/model.safetensors")
+    assert clean_weights.keys() == weights.keys()
+    assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
+
+
+def test_ppo_with_actor_and_critic_sharded_gives_the_ddp_run_numbers(env, tmp_path):
+    """The same PPO job (GAE, a critic) with actor.strategy and critic.strategy ddp, then fsdp2: the metrics of
+    every step agree to float tolerance (the sums run in another order), and both publish a whole model."""
+    histories = {}
+    for strategy in ("ddp", "fsdp2"):
+        name = f"ppo-{strategy}-{uuid.uuid4().hex[:6]}"
+        extra = [
+            "algorithm.adv_estimator=gae",
+            f"actor.strategy={strategy}",
+            f"critic.strategy={strategy}",
+            digit_reward(tmp_path),
+        ]
+        state, _ = run_flow("ppo", small_config(env, name, "trainer.total_steps=3", "trainer.test_freq=0", *extra))
+        assert state.is_completed()
+        client, run = mlflow_run(name)
+        histories[strategy] = {
+            key: [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+            for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+        }
+        assert os.path.isfile(f"{env['runs']}/{name}/final_model/model.safetensors")
+    for key, values in histories["ddp"].items():
+        assert len(values) == 3
+        assert histories["fsdp2"][key] == pytest.approx(values, rel=1e-3, abs=1e-5), key
 
 
 def test_faults_past_the_budget_fail_the_run_and_list_them(env):
