@@ -60,7 +60,13 @@ def eos_prone_model(path) -> str:
 
 
 def actor_group(
-    path: str, rollout: dict, lr: float = 1e-3, workers: int = 1, batch_size: int = 128, role: str = "actor_rollout_ref"
+    path: str,
+    rollout: dict,
+    lr: float = 1e-3,
+    workers: int = 1,
+    batch_size: int = 128,
+    role: str = "actor_rollout_ref",
+    strategy: str = "ddp",
 ):
     """An ActorRolloutRefWorker group whose optimizer step takes the whole ``batch_size`` batch at once."""
     config = {
@@ -70,6 +76,7 @@ def actor_group(
             "ppo_mini_batch_size": batch_size,
             "ppo_micro_batch_size_per_gpu": batch_size // workers,
             "optim": {"lr": lr},
+            "strategy": strategy,
         },
     }
     pool = RayResourcePool([workers], use_gpu=False, max_colocate_count=1)
@@ -214,11 +221,13 @@ def test_weights_sync_after_update_and_checkpoint_load(vllm_group, eos_model, tm
     assert masked_max_diff(reloaded.batch["rollout_log_probs"], initial, reloaded.batch["response_mask"]) < LOGPROB_ATOL
 
 
-def test_each_data_parallel_worker_syncs_its_own_engine(ray_cluster, eos_model):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_each_data_parallel_worker_syncs_its_own_engine(ray_cluster, eos_model, strategy):
     """Two workers: each rank's engine joins vLLM's groups over the actor's process group, samples its half of
-    the batch, and is reloaded after the DDP update, so both engines follow identical replicas."""
+    the batch, and is reloaded after the update, so both engines follow the policy: DDP's identical replicas, or
+    (fsdp2) the sharded policy's tensors gathered one at a time into each engine."""
     tokenizer = load_tokenizer(eos_model)
-    group, pool = actor_group(eos_model, {"name": "vllm"}, lr=1e-2, workers=2, batch_size=32)
+    group, pool = actor_group(eos_model, {"name": "vllm"}, lr=1e-2, workers=2, batch_size=32, strategy=strategy)
     try:
         batch = prompts(tokenizer, 16, n=2)
         out = group.generate_sequences(batch)
