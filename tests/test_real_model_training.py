@@ -250,3 +250,42 @@ def test_sft_on_conversations(verl_job):
     assert len(losses) == 3 and losses[-1] < losses[0]  # the same two conversations every step: learned
     # validation asked each conversation's last question and scored the reply against its recorded answer
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/score/mean")] == [0, 3]
+
+
+def test_fsdp2_on_two_workers_gives_the_ddp_run_numbers(verl_job):
+    """The same GRPO job on SmolLM2-135M-Instruct with 2 workers, actor.strategy ddp and then fsdp2 (the policy and
+    the reference sharded, a sharded checkpoint at step 2): every step's metrics agree to float tolerance and the
+    published models hold the same weights to float tolerance."""
+    reward = f"custom_reward_function.path={verl_job / 'reward.py'}"
+    keys = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl")
+    histories, weights = {}, {}
+    for strategy in ("ddp", "fsdp2"):
+        name = f"real-{strategy}-{uuid.uuid4().hex[:6]}"
+        config = real_config(
+            verl_job,
+            name,
+            reward,
+            f"actor.strategy={strategy}",
+            "trainer.n_workers=2",
+            "actor.ppo_micro_batch_size_per_gpu=2",
+            "actor.use_kl_loss=true",
+            "trainer.save_freq=2",
+            "trainer.test_freq=0",
+        )
+        run_grpo(config)
+        client = MlflowClient()
+        run = client.search_runs(
+            [client.get_experiment_by_name("rlflow").experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'"
+        )[0]
+        histories[strategy] = {
+            key: [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+            for key in keys
+        }
+        weights[strategy] = load_file(f"{runs_root(config)}/final_model/model.safetensors")
+    assert os.path.isdir(f"{verl_job / 'runs'}/{name}/checkpoints/step_2/actor/shards")
+    for key in keys:
+        assert len(histories["ddp"][key]) == 2, key
+        assert histories["fsdp2"][key] == pytest.approx(histories["ddp"][key], rel=1e-3, abs=1e-5), key
+    assert weights["fsdp2"].keys() == weights["ddp"].keys()
+    for key, tensor in weights["ddp"].items():
+        torch.testing.assert_close(weights["fsdp2"][key], tensor, rtol=1e-4, atol=1e-6)

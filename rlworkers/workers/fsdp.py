@@ -113,8 +113,12 @@ def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU (an empty dict elsewhere); every rank calls it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model on rank 0's CPU (an empty dict elsewhere); every rank calls it. A tied parameter (SmolLM2's
+    lm_head is its embedding) appears once, under its first name, as ``save_pretrained`` writes an unsharded one."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_names = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first_names
+    return {name: tensor for name, tensor in state.items() if name not in tied}
 
 
 def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
