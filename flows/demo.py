@@ -12,6 +12,10 @@ SmolLM2-135M-Instruct, the sums asked in its chat template with GSM8K's "#### an
 `make demo-agent` (`rlflow demo --agent`): SmolLM2-135M-Instruct and a calculator tool on 4-digit sums: an SFT
 warm-up on demonstrations of the tool call (configs/agent-sft.yaml), then GRPO on whole trajectories
 (configs/agent.yaml).
+
+`make demo-agent-env` (`rlflow demo --environment`): SmolLM2-135M-Instruct in a multi-turn environment
+(rlworkers.agents.examples:RetryArithmetic) that answers a wrong sum with "Wrong, try again." twice: GRPO alone
+(configs/agent-env.yaml), and how many answers were right at the first try and how many after feedback.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def _val_history(run_id: str) -> list[tuple[int, float]]:
 
 REAL_MODEL = "smollm2-135m-instruct"
 AGENT = "agent"  # `rlflow demo --agent`: SmolLM2 learns to call a calculator tool (configs/agent*.yaml)
+ENVIRONMENT = "agent-env"  # `rlflow demo --environment`: SmolLM2 with "wrong, try again" feedback (GRPO alone)
 
 
 PRESETS = {  # model -> (SFT preset, GRPO preset, what the table measures)
@@ -49,22 +54,34 @@ PRESETS = {  # model -> (SFT preset, GRPO preset, what the table measures)
         "agent",
         "SmolLM2-135M-Instruct with a calculator tool: 100 held-out 4-digit sums, greedy, several turns",
     ),
+    ENVIRONMENT: (
+        None,
+        "agent-env",
+        "SmolLM2-135M-Instruct, 'Wrong, try again.' twice: 200 held-out 2-digit sums, greedy, score 1/(1 + retries)",
+    ),
 }
 
 
-def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str = "tiny", agent: bool = False) -> None:
+def main(
+    sft_steps: int | None = None,
+    grpo_steps: int | None = None,
+    model: str = "tiny",
+    agent: bool = False,
+    environment: bool = False,
+) -> None:
     from flows.config import load_config, runs_root
     from flows.launch import run_training
     from flows.preflight import apply_service_env
     from flows.services import ServiceConfig, start_services
 
-    if model not in PRESETS or model == AGENT:
+    if model not in PRESETS or model in (AGENT, ENVIRONMENT):
         raise ValueError(f"rlflow demo --model {model!r}: use 'tiny' (the default) or {REAL_MODEL!r}")
-    if agent:
-        model = AGENT
+    if agent and environment:
+        raise ValueError("rlflow demo: --agent or --environment, not both")
+    model = AGENT if agent else ENVIRONMENT if environment else model
     sft_preset, grpo_preset, title = PRESETS[model]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    prefix = {"tiny": "demo", REAL_MODEL: "demo-real", AGENT: "demo-agent"}[model]
+    prefix = {"tiny": "demo", REAL_MODEL: "demo-real", AGENT: "demo-agent", ENVIRONMENT: "demo-agent-env"}[model]
     sft_overrides = [f"trainer.run_name={prefix}-sft-{stamp}", "trainer.resume=never"]
     if sft_steps:
         sft_overrides += [
@@ -72,7 +89,7 @@ def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str
             f"trainer.save_freq={sft_steps}",
             f"trainer.test_freq={sft_steps}",
         ]
-    sft_config = load_config(sft_preset, sft_overrides)
+    sft_config = load_config(sft_preset, sft_overrides) if sft_preset else None
     grpo_overrides = [f"trainer.run_name={prefix}-grpo-{stamp}", "trainer.resume=never"]
     if grpo_steps:
         grpo_overrides += [f"trainer.total_steps={grpo_steps}"]
@@ -80,16 +97,20 @@ def main(sft_steps: int | None = None, grpo_steps: int | None = None, model: str
     urls = start_services(ServiceConfig())
     apply_service_env(urls)
 
-    console.rule(f"1/2  SFT warm-up ({sft_preset})")
+    phases = []
+    if sft_config is not None:
+        console.rule(f"1/2  SFT warm-up ({sft_preset})")
+        started = time.time()
+        run_training("sft", sft_config)
+        phases.append(("sft", sft_config, time.time() - started))
+        grpo_overrides.append(f"model.path={runs_root(sft_config)}/final_model")
+        console.rule(f"2/2  GRPO from the SFT model ({grpo_preset})")
+    else:
+        console.rule(f"GRPO ({grpo_preset})")
+    grpo_config = load_config(grpo_preset, grpo_overrides)
     started = time.time()
-    run_training("sft", sft_config)
-    seconds = {"sft": time.time() - started}
-    sft_model = f"{runs_root(sft_config)}/final_model"
-    console.rule(f"2/2  GRPO from the SFT model ({grpo_preset})")
-    grpo_config = load_config(grpo_preset, grpo_overrides + [f"model.path={sft_model}"])
     run_training("grpo", grpo_config)
-    seconds["grpo"] = time.time() - started - seconds["sft"]
-    phases = [("sft", sft_config, seconds["sft"]), ("grpo", grpo_config, seconds["grpo"])]
+    phases.append(("grpo", grpo_config, time.time() - started))
     _report(urls, phases, title)
 
 
@@ -114,12 +135,30 @@ def _report(urls: dict, phases: list[tuple], title: str) -> None:
     console.print(table)
     for phase, config, _ in phases:
         console.print(f"{phase}: {paired_test(config)}")
+        if config.rollout.multi_turn.environment:
+            console.print(f"{phase}: {tries(config)}")
     console.print(f"done in {sum(seconds for _, _, seconds in phases):.0f} s")
     console.print("MLflow runs:\n" + "\n".join(links))
     console.print(f"Prefect UI (flow runs, task runs per stage, checkpoint artifacts): {urls['prefect_ui']}")
     console.print(f"MLflow UI (metrics, params, sample generations, model): {urls['mlflow_ui']}")
     console.print("Checkpoints and final models: " + " and ".join(runs_root(config) for _, config, _ in phases))
     console.print("Stop the servers with `.venv/bin/rlflow server down`.")
+
+
+def tries(config) -> str:
+    """For an environment scored 1 / (1 + retries) (RetryArithmetic): how many held-out answers were right at the
+    first try, and how many only after the environment's feedback, before and after training."""
+    from flows.config import runs_root
+    from flows.evaluation import EvalResults, results_path
+    from rlworkers.checkpoint import read_json
+
+    counts = []
+    for label in ("start", "final"):
+        rows = EvalResults(**read_json(results_path(runs_root(config), label, config.eval.primary_set))).rows
+        first = sum(row["score"] >= 1.0 for row in rows)
+        later = sum(0.0 < row["score"] < 1.0 for row in rows)
+        counts.append(f"{label} model {first} of {len(rows)} right at the first try, {later} more after feedback")
+    return "; ".join(counts)
 
 
 def paired_test(config) -> str:

@@ -381,3 +381,17 @@ def test_the_demo_reports_the_gates_paired_test_of_final_against_start(tmp_path)
     said = paired_test(config)
     assert said.startswith("the final model on 'validation' is better than its start model (0.600 vs 0.200")
     assert "n=100, 41 up / 1 down, McNemar p" in said
+
+
+def test_the_environment_demo_counts_answers_right_at_the_first_try_and_after_feedback(tmp_path):
+    from flows.demo import tries
+    from flows.evaluation import EvalResults, write_results
+
+    config = load_config("agent-env", [f"trainer.runs_dir={tmp_path}", "trainer.run_name=env"])
+    for label, scores in (("start", [1.0] * 3 + [0.0] * 7), ("final", [1.0] * 5 + [0.5, 1 / 3] + [0.0] * 3)):
+        rows = [dict(index=i, prompt="", response="", ground_truth="", score=s) for i, s in enumerate(scores)]
+        write_results(f"{tmp_path}/env", EvalResults("validation", label, "f" * 16, "m", rows))
+    assert tries(config) == (
+        "start model 3 of 10 right at the first try, 0 more after feedback; "
+        "final model 5 of 10 right at the first try, 2 more after feedback"
+    )
