@@ -81,14 +81,21 @@ def ppo_steps(group, tokenizer, steps: int) -> list[dict]:
     return out
 
 
-def test_fsdp2_gives_ddp_numbers_and_its_checkpoints_reshard(tiny_path, tmp_path):
+@pytest.fixture(scope="module")
+def ddp_run(tiny_path):
+    """The DDP group's numbers the fsdp2 ones are held against: 3 PPO-style steps, then an SFT step."""
     tokenizer = load_tokenizer(tiny_path)
     ddp = Group(ActorRolloutRefWorker, 2, config=config(tiny_path, "ddp"), role="actor_rollout_ref")
-    ddp_steps = ppo_steps(ddp, tokenizer, 3)
-    ddp_sft = ddp.sft_step(sft_batch(ROWS["train"][:8], tokenizer)).meta_info["metrics"]
-    ddp_checksum = ddp.get_weights_checksum()[0]
+    steps = ppo_steps(ddp, tokenizer, 3)
+    sft = ddp.sft_step(sft_batch(ROWS["train"][:8], tokenizer)).meta_info["metrics"]
+    checksum = ddp.get_weights_checksum()[0]
     ddp.close()
+    return steps, sft, checksum
 
+
+def test_fsdp2_gives_ddp_numbers_and_its_checkpoints_reshard(tiny_path, ddp_run, tmp_path):
+    tokenizer = load_tokenizer(tiny_path)
+    ddp_steps, ddp_sft, ddp_checksum = ddp_run
     sharded = Group(ActorRolloutRefWorker, 2, config=config(tiny_path, "fsdp2"), role="actor_rollout_ref")
     steps = ppo_steps(sharded, tokenizer, 3)
     for ours, theirs in zip(steps, ddp_steps):
@@ -130,6 +137,19 @@ def test_fsdp2_gives_ddp_numbers_and_its_checkpoints_reshard(tiny_path, tmp_path
     single.load_checkpoint(checkpoint)
     assert single.get_weights_checksum()[0] == saved
     single.close()
+
+
+def test_generation_a_layer_at_a_time_in_lockstep_gives_the_same_numbers(tiny_path, ddp_run):
+    """fsdp_config.gather_for_generation=false: each layer gathered for each token, the ranks kept in step by HF's
+    synced_gpus (a rank whose rows ended runs the forward passes the other still needs)."""
+    tokenizer = load_tokenizer(tiny_path)
+    ddp_steps, _, _ = ddp_run
+    lockstep = config(tiny_path, "fsdp2", fsdp_config={"gather_for_generation": False})
+    sharded = Group(ActorRolloutRefWorker, 2, config=lockstep, role="actor_rollout_ref")
+    for ours, theirs in zip(ppo_steps(sharded, tokenizer, 3), ddp_steps):
+        assert torch.equal(ours["responses"], theirs["responses"])
+        assert ours["actor/pg_loss"] == pytest.approx(theirs["actor/pg_loss"], rel=1e-3, abs=1e-5)
+    sharded.close()
 
 
 def test_the_critic_shards_too(tiny_path, tmp_path):

@@ -80,7 +80,9 @@ class ActorRolloutRefWorker(Worker):
             self.lr_scheduler = common.build_lr_scheduler(self.optimizer, cfg.actor.optim)
             self.policy_loss_fn = core_algos.get_policy_loss_fn(cfg.actor.policy_loss)
         if self._is_rollout:
-            self.rollout = build_rollout(cfg.rollout, self.model, self.tokenizer, self.base_path)
+            self.rollout = build_rollout(
+                cfg.rollout, self.model, self.tokenizer, self.base_path, synced_gpus=cfg.lockstep_generation
+            )
             self.agent_loop = None
             if cfg.rollout.multi_turn.enable:  # several turns with tools / an environment (rlworkers.agents)
                 from rlworkers.workers.rollout.agent_loop import build_agent_loop
@@ -137,7 +139,9 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_rollout, "generate_sequences", "rollout")
         hf = self.config.rollout.name == "hf"  # vLLM runs its own kernels in the model's dtype
         prompts = common.to_device(prompts, self.device)
-        gathered = fsdp.gathered(self.model) if hf else contextlib.nullcontext()  # no collective while generating
+        # gathered once: no collective while generating (else a layer at a time, the ranks in lockstep)
+        gather = hf and not self.config.lockstep_generation
+        gathered = fsdp.gathered(self.model) if gather else contextlib.nullcontext()
         with self._autocast() if hf else contextlib.nullcontext(), gathered, self._own_random_state(prompts) as prompts:
             if self.agent_loop is None:
                 return self.rollout.generate_sequences(prompts).to("cpu")

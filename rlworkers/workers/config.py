@@ -161,6 +161,12 @@ class FSDPConfig(_Frozen):
         description="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state in CPU memory, the "
         "optimizer step on the CPU (a GPU run's memory for speed; nothing changes on a CPU-only run)",
     )
+    gather_for_generation: bool = Field(
+        True,
+        description="HF generation on the whole policy gathered once per call (fast: no collective per token; the "
+        "model in its compute dtype is whole on every worker meanwhile); false: each layer gathered for each token, "
+        "the ranks in lockstep (HF's synced_gpus), for a model whose whole copy does not fit (single-turn only)",
+    )
     wrap_policy: list[str] | None = Field(
         None,
         description="module class names sharded as units (verl's transformer_layer_cls_to_wrap); default: the "
@@ -262,4 +268,19 @@ class WorkerConfig(_Frozen):
                 f"actor.ppo_micro_batch_size_per_gpu ({self.actor.ppo_micro_batch_size_per_gpu}) is larger than "
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}); lower it"
             )
+        if self.lockstep_generation and self.rollout.multi_turn.enable:
+            raise ValueError(
+                "actor.fsdp_config.gather_for_generation=false generates with the ranks in lockstep, which a "
+                "multi-turn rollout cannot keep (each rank's trajectories take their own number of turns): set it "
+                "true, or use rollout.name=vllm"
+            )
         return self
+
+    @property
+    def lockstep_generation(self) -> bool:
+        """HF generation on a sharded policy, a layer gathered at a time: every rank runs the same forward passes."""
+        return (
+            self.actor.strategy == "fsdp2"
+            and not self.actor.fsdp_config.gather_for_generation
+            and self.rollout.name == "hf"
+        )

@@ -86,13 +86,13 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(int(i) for i in ids if i is not None)
 
 
-def build_rollout(config, model, tokenizer, model_path: str):
+def build_rollout(config, model, tokenizer, model_path: str, synced_gpus: bool = False):
     """The rollout backend named by ``config.name``. Every backend has ``generate_sequences(prompts)`` and
     ``sync_weights(model)`` (called after each actor update, so the next rollout samples from the new policy)."""
     if config.name == "hf":
         from rlworkers.workers.rollout.hf_rollout import HFRollout
 
-        return HFRollout(model, tokenizer, config)
+        return HFRollout(model, tokenizer, config, synced_gpus=synced_gpus)
     if config.name == "vllm":
         try:
             from rlworkers.workers.rollout.vllm_rollout import VLLMRollout

@@ -20,8 +20,11 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int | list[int
 
 
 class HFRollout:
-    def __init__(self, model, tokenizer, config: RolloutConfig):
+    def __init__(self, model, tokenizer, config: RolloutConfig, synced_gpus: bool = False):
+        """``synced_gpus``: every rank keeps running forward passes until all ranks' rows have ended (a sharded
+        model that gathers each layer as it goes: actor.fsdp_config.gather_for_generation=false)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.synced_gpus = synced_gpus
         self.stop_token_ids = stop_token_ids(tokenizer, model)
 
     def sync_weights(self, model) -> None:
@@ -71,6 +74,7 @@ class HFRollout:
             pad_token_id=self.tokenizer.pad_token_id,
             return_dict_in_generate=True,
             output_logits=True,
+            synced_gpus=self.synced_gpus,
         )
         self.model.train(was_training)
         responses = out.sequences[:, input_ids.shape[1] :]
