@@ -37,6 +37,7 @@ from rlworkers.models import lora
 from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_model_path
 from rlworkers.rewards import load_reward_fn
 from rlworkers.storage import is_remote
+from rlworkers.workers import memory
 from rlworkers.workers.config import RewardConfig
 from rlworkers.workers.reward import RuleReward
 
@@ -117,6 +118,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
     eval_sets = evaluation.resolve_sets(config, val_rows, lambda files: read_rows(config, files, checked))
     check_rows_fit(config, algorithm, tokenizer, model_dir, train_rows, val_rows)
     check_agent_fits(config, tokenizer, model_dir, train_rows, val_rows)
+    check_memory_fits(config, roles, model_dir)
     for eval_set in eval_sets:  # a scorer that does not load fails here, before any worker starts
         if eval_set.scorer is not None:
             RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
@@ -225,6 +227,68 @@ def check_agent_fits(config: RLConfig, tokenizer, model_dir: str, train_rows, va
                     "a conversation, so prompts must be chat messages ([{'role': 'user', 'content': ...}]). Fix: "
                     "store the prompts as messages (data.task.prompt_format=chat for the built-in task)"
                 )
+
+
+class NotEnoughMemory(RuntimeError):
+    """The workers of this run would hold more than this machine's memory before computing anything."""
+
+
+def check_memory_fits(config: RLConfig, roles: tuple[str, ...], model_dir: str) -> None:
+    """Refuse, before any worker starts, a run whose workers on this machine (a local Ray on the CPU) would hold more
+    than its memory in weights, gradients and AdamW state alone (``rlworkers.workers.memory``); name the fix."""
+    import psutil
+
+    if config.trainer.device != "cpu" or config.trainer.ray_address:
+        return  # GPUs, or a cluster's nodes: their memory is not this machine's
+    base = base_model_path(resolve_model_path(model_dir))  # a LoRA adapter's base
+    parameters = memory.parameter_count(base, config.model.trust_remote_code)
+    models = _trained_models(config, roles, parameters, config.actor.strategy, config.critic.strategy)
+    need = sum(model.bytes_per_worker() * model.workers for model in models)
+    total = psutil.virtual_memory().total
+    if need <= total:
+        return
+
+    def sharded_need(gathered: bool) -> int:
+        models = _trained_models(config, roles, parameters, "fsdp2", "fsdp2", gathered)
+        return sum(m.bytes_per_worker() * m.workers for m in models)
+
+    lockstep = "actor.fsdp_config.gather_for_generation=false"
+    if config.actor.strategy == "ddp":
+        fix = (
+            f"actor.strategy=fsdp2{' and critic.strategy=fsdp2' if 'critic' in roles else ''} (each worker holds a "
+            f"1/{config.trainer.n_workers} shard: {memory.gib(sharded_need(True))} in all, "
+            f"{memory.gib(sharded_need(False))} with {lockstep})"
+        )
+    else:
+        fix = f"{lockstep} ({memory.gib(sharded_need(False))} in all)"
+    fix += ", more workers, or a machine with more memory"
+    held = "; ".join(
+        f"{m.workers} {role} worker(s) x {memory.gib(m.bytes_per_worker())} ({m.strategy})"
+        for role, m in zip(("actor", "critic"), models)
+    )
+    raise NotEnoughMemory(
+        f"this run needs at least {memory.gib(need)} before any activation ({parameters / 1e9:.2f}B parameters; "
+        f"{held}) and this machine has {memory.gib(total)}: it would be killed for memory mid-step. Fix: {fix}."
+    )
+
+
+def _trained_models(
+    config: RLConfig, roles, parameters: int, actor_strategy: str, critic_strategy: str, gather: bool | None = None
+) -> list:
+    """The groups' models as ``memory.TrainedModel``: the actor (with its colocated reference), the critic."""
+    colocated = config.trainer.colocate_ref and "ref" in roles and not config.actor.lora.enabled
+    if gather is None:
+        gather = config.actor.fsdp_config.gather_for_generation
+    gathered = (
+        memory.DTYPE_BYTES[config.model.autocast or config.model.dtype] if gather and config.rollout.name == "hf" else 0
+    )
+    trainable = 0 if config.actor.lora.enabled else parameters  # an adapter's own parameters are few
+    n = config.trainer.n_workers
+    models = [memory.TrainedModel(parameters, trainable, config.model.dtype, actor_strategy, n, colocated, gathered)]
+    if "critic" in roles:
+        critic = config.critic.model or config.model
+        models.append(memory.TrainedModel(parameters, parameters, critic.dtype, critic_strategy, n))
+    return models
 
 
 class CheckpointMismatch(RuntimeError):

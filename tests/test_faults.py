@@ -223,3 +223,33 @@ def test_a_checkpoint_of_another_run_shape_is_refused_before_workers_start():
     wider_sharded = load_config("demo", ["trainer.n_workers=4", "model.path=tiny", "actor.strategy=fsdp2",
                                          "actor.ppo_micro_batch_size_per_gpu=32"])  # fmt: skip
     check_checkpoint_fits("/runs/x/checkpoints/step_4", sharded_state, wider_sharded, "grpo")
+
+
+def test_a_model_too_big_for_ddp_on_this_machine_is_refused_with_fsdp2_as_the_fix(tmp_path, monkeypatch):
+    """A 1.1B-parameter Llama (its config only: counted on the meta device) on 2 DDP workers needs ~41 GiB of
+    weights, gradients, AdamW state and reference before any activation: on a 24 GiB machine the run is refused
+    before any worker starts, naming fsdp2; with fsdp2 and a layer gathered at a time it fits and is let through."""
+    import psutil
+    from transformers import LlamaConfig
+
+    from flows.config import load_config
+    from flows.run_start import NotEnoughMemory, check_memory_fits
+
+    shape = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32}
+    LlamaConfig(**shape, num_key_value_heads=4, vocab_size=32000).save_pretrained(tmp_path)  # TinyLlama's shape
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"total": 24 * 2**30})())
+    roles = ("actor", "ref")
+
+    def config(*extra):
+        return load_config("demo", ["trainer.n_workers=2", f"model.path={tmp_path}", *extra])
+
+    with pytest.raises(NotEnoughMemory) as info:
+        check_memory_fits(config(), roles, str(tmp_path))
+    said = str(info.value)
+    assert "1.10B parameters" in said and "2 actor worker(s) x 20.5 GiB (ddp)" in said, said
+    assert "this machine has 24.0 GiB" in said and "Fix: actor.strategy=fsdp2" in said
+    assert "shard: 28.7 GiB in all, 20.5 GiB with actor.fsdp_config.gather_for_generation=false)" in said
+    with pytest.raises(NotEnoughMemory, match="Fix: actor.fsdp_config.gather_for_generation=false"):  # gathered copies
+        check_memory_fits(config("actor.strategy=fsdp2"), roles, str(tmp_path))
+    lockstep = config("actor.strategy=fsdp2", "actor.fsdp_config.gather_for_generation=false")
+    check_memory_fits(lockstep, roles, str(tmp_path))
