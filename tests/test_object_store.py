@@ -253,3 +253,19 @@ def test_a_runs_dir_that_cannot_be_written_fails_before_anything_starts(flows_en
     )
     assert result.returncode != 0
     assert f"trainer.runs_dir='{read_only}' cannot be written (PermissionError" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_sharded_run_writes_each_ranks_shard_to_the_store_and_resumes_from_them(flows_env, s3):
+    """actor.strategy=fsdp2 with trainer.runs_dir on S3: each rank writes its own shard straight to the store (no
+    gather), the manifest commits them, and a run asked for more steps resumes from those shards."""
+    name = f"s3-fsdp-{uuid.uuid4().hex[:6]}"
+    extra = (f"model.path={flows_env['model']}", "actor.strategy=fsdp2", "trainer.save_freq=2")
+    first = _run(_config(f"{s3['url']}/runs", name, *extra, "trainer.total_steps=2"))
+    assert first.is_completed(), first.message
+    shards = _keys(s3, f"runs/{name}/checkpoints/step_2/actor/shards/")
+    assert [key.rsplit("/", 1)[1] for key in shards] == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+    manifest = verify_checkpoint(f"{s3['url']}/runs/{name}/checkpoints/step_2")  # the shards' sha256 checked too
+    assert {f"actor/shards/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp")} <= set(manifest["files"])
+    more = _run(_config(f"{s3['url']}/runs", name, *extra, "trainer.total_steps=4"))
+    assert more.is_completed(), more.message
+    assert [step for step, _ in list_checkpoints(f"{s3['url']}/runs/{name}/checkpoints")][-1] == 4
