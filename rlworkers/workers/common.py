@@ -114,8 +114,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig):
 def wrap_data_parallel(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """DDP over the default process group when there is more than one worker (gloo on CPU, nccl on CUDA).
 
-    DDP rather than FSDP2: the models this runs on CPU fit in one process; DDP keeps replicas identical with one
-    all-reduce per step and no resharding. FSDP2 is the step for models that do not fit (see the README).
+    ``strategy: ddp``, the default: for models one worker holds, DDP keeps replicas identical with one all-reduce per
+    step and no gathers. ``fsdp2`` (``rlworkers.workers.fsdp``) is for models that do not fit (see the README).
     """
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return model
