@@ -11,8 +11,9 @@ gathers the whole policy (4 bytes a parameter) to generate (validation; GRPO's r
 that peak, ~18 GiB for two workers of 0.62B; ``fsdp2-lockstep`` (``actor.fsdp_config.gather_for_generation=false``)
 generates a layer at a time instead (~12 bytes a parameter at 50M). At 1.03B (``--layers 20``) rlflow refuses ddp
 and fsdp2 before any worker starts on a 24 GiB machine (NotEnoughMemory, flows/run_start.py). Those ~14 and ~12 need
-glibc's mmap threshold fixed (``--env MALLOC_MMAP_THRESHOLD_=131072``): by default the workers' heaps keep FSDP2's
-freed gather buffers and their RSS grows step by step (to 20-33 bytes a parameter at 50M-100M).
+glibc's mmap threshold fixed, which rlflow now does for fsdp2 workers on the CPU (``MALLOC_MMAP_THRESHOLD_=131072``,
+flows/groups.py): without it the workers' heaps kept FSDP2's freed gather buffers and their RSS grew step by step (to
+20-33 bytes a parameter at 50M-100M).
 
 Each run is the real CLI in a child process, as a user runs it, for each strategy of ``--strategies`` (``ddp``,
 ``fsdp2``, ``fsdp2-lockstep``: ``STRATEGIES`` below) and each flow of ``--flows`` (``grpo``: configs/demo.yaml,
@@ -24,7 +25,7 @@ Each run is the real CLI in a child process, as a user runs it, for each strateg
 
 with small batches so that a step is short on a 2-core CPU (GRPO: 4 prompts x 2 samples, 4 new tokens; SFT: 4
 rows; 2 sequences per forward/backward; 4 validation sums; ``OVERRIDES`` below). So a run loads the model into 2
-Ray workers (with the reference beside the policy in each: GRPO's, and at this commit SFT's too, unused), validates
+Ray workers (with GRPO's reference beside the policy in each), validates
 at its start and end, trains ``--steps`` steps, writes one checkpoint (fsdp2: each worker its shard of weights and
 AdamW state) and the final model, and is tracked in MLflow. ``trainer.max_restarts=0``: a worker lost (an
 out-of-memory kill) ends the run rather than restarting it from its checkpoint.
@@ -44,7 +45,9 @@ Needs the Prefect and MLflow servers: uses those that PREFECT_API_URL and MLFLOW
 them as ``rlflow demo`` does (``flows.services.start_services``, in the repository root; reused if ``rlflow server
 up`` already runs them) and, if it started them, stops them at the end. The machine should be otherwise idle.
 
-    .venv/bin/python bench/fsdp_memory.py [--layers 12] [--hidden 2048] [--intermediate 5632] [--steps 3]
+``--model smollm2-135m-instruct`` (or any model folder) measures a real model instead, DDP and fsdp2 side by side.
+
+    .venv/bin/python bench/fsdp_memory.py [--layers 12] [--hidden 2048] [--intermediate 5632] [--model M] [--steps 3]
         [--strategies fsdp2,ddp] [--flows grpo,sft] [--stall-timeout 600] [--env KEY=VALUE ...]
 """
 
@@ -110,9 +113,7 @@ OUT_OF_MEMORY = re.compile(
 # ---------------------------------------------------------------------------------------------- the model
 def ensure_model(layers: int, hidden: int, intermediate: int) -> tuple[Path, int]:
     """The model folder (built once, in a child process: a 1B model is 4 GB of float32 to create and save) and its
-    parameter count (from the safetensors header: the tied head is stored once, as it is counted)."""
-    from safetensors import safe_open
-
+    parameter count."""
     path = CACHE / "models" / f"llama-{layers}x{hidden}-mlp{intermediate}"
     if not (path / "model.safetensors").exists():
         print(f"building the model in {path} (once; reused later) ...", flush=True)
@@ -122,7 +123,14 @@ def ensure_model(layers: int, hidden: int, intermediate: int) -> tuple[Path, int
             f"intermediate_size={intermediate})"
         )
         subprocess.run([PYTHON, "-c", build], check=True, cwd=REPO)
-    with safe_open(path / "model.safetensors", "pt") as weights:
+    return path, parameter_count(path)
+
+
+def parameter_count(path: Path) -> int:
+    """Parameters stored in ``path``'s safetensors (a tied head is stored once, as it is counted)."""
+    from safetensors import safe_open
+
+    with safe_open(Path(path) / "model.safetensors", "pt") as weights:
         count = 0
         for name in weights.keys():
             count += _numel(weights.get_slice(name).get_shape())
@@ -362,6 +370,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="decoder layers (default 12)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 64 (default 2048)")
     parser.add_argument("--intermediate", type=int, default=5632, help="MLP width (default 5632)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model path or name (e.g. smollm2-135m-instruct) instead of the Llama built from --layers/--hidden",
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
     parser.add_argument(
         "--strategies", default="fsdp2,ddp", help=f"comma-separated, of {', '.join(STRATEGIES)} (default fsdp2,ddp)"
@@ -393,7 +406,13 @@ def main() -> None:
 
     os.chdir(REPO)  # the servers' state (.rlflow/) and the runs' relative paths, as `rlflow server up` has them
     started = datetime.datetime.now()
-    model, params = ensure_model(args.layers, args.hidden, args.intermediate)
+    if args.model:
+        from rlworkers.models.loading import resolve_model_path
+
+        model = Path(resolve_model_path(args.model))
+        params = parameter_count(model)
+    else:
+        model, params = ensure_model(args.layers, args.hidden, args.intermediate)
     print(f"model {model}: {params:,} parameters", flush=True)
     started_services = ensure_services()
     results = []

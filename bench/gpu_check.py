@@ -113,7 +113,8 @@ def run(precision: str, path: str, args) -> dict[str, float]:
     assert all(torch.isfinite(torch.tensor(losses))), losses
     moved, rise = learning_probe(worker, gen, args.probe_steps)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
-    print(f"\n{precision} ({model}, {args.strategy}): {total} sequences x {args.response_length} new tokens, {args.steps} steps")
+    what = f"{total} sequences x {args.response_length} new tokens, {args.steps} steps"
+    print(f"\n{precision} ({model}, {args.strategy}): {what}")
     for key, values in times.items():
         print(f"  {key:<13} {statistics.median(values):7.3f} s (median; min {min(values):.3f})")
     print(f"  max |rollout log-prob - recomputed log-prob| over response tokens: {max(gaps):.2e}")
