@@ -5,8 +5,10 @@ group with torch's ``fully_shard``, and what the workers need around it.
   then the root (embeddings, final norm, head); ``model.autocast`` becomes the ``MixedPrecisionPolicy`` (compute in
   bf16/fp16, gradients reduced in float32, float32 master shards), ``offload_policy`` FSDP2's ``CPUOffloadPolicy``.
   Every collective below is called by every rank in the same order: the single controller calls every worker.
+* ``gathered``: HF generation on the policy's parameters gathered once per call (no collective per token, so each
+  rank stops when its own rows end); ``fsdp_config.gather_for_generation=false`` generates a layer at a time instead.
 * ``full_weights``: the whole model one tensor at a time (each gathered from its shards and dropped before the
-  next), for the rollout's copy and vLLM's ``load_weights``: no second full model in one process for vLLM.
+  next), for vLLM's ``load_weights``: no second full model in one process.
 * ``save_sharded`` / ``load_sharded``: ``torch.distributed.checkpoint`` (each rank writes its own shard; a checkpoint
   saved by N workers loads on M, DCP reshards) through fsspec, so local paths and ``s3://`` work alike. DCP's
   ``.metadata`` file is a pickle: it is read with an unpickler that builds DCP's own metadata classes and nothing
@@ -102,14 +104,6 @@ def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if isinstance(tensor, DTensor):
             tensor = tensor.to(tensor.device_mesh.device_type).full_tensor()  # an offloaded shard gathers on device
         yield name, tensor.detach()
-
-
-@torch.no_grad()
-def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """``target`` (a plain copy of the model) takes ``source``'s current weights, gathered tensor by tensor."""
-    params = target.state_dict()
-    for name, tensor in full_weights(source):
-        params[name].copy_(tensor)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
