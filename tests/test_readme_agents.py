@@ -15,7 +15,7 @@ import pytest
 from test_readme import readme_block
 
 pytestmark = pytest.mark.slow
-SHORT = "trainer.total_steps=1 trainer.test_freq=1 trainer.save_freq=1 data.task.num_val=8"
+SHORT = "trainer.total_steps=1 trainer.test_freq=1 trainer.save_freq=1 data.task.num_val=4"
 
 
 def test_the_agents_block_runs_in_the_order_shown(services, tmp_path):
