@@ -45,10 +45,13 @@ Needs the Prefect and MLflow servers: uses those that PREFECT_API_URL and MLFLOW
 them as ``rlflow demo`` does (``flows.services.start_services``, in the repository root; reused if ``rlflow server
 up`` already runs them) and, if it started them, stops them at the end. The machine should be otherwise idle.
 
-``--model smollm2-135m-instruct`` (or any model folder) measures a real model instead, DDP and fsdp2 side by side.
+``--model smollm2-135m-instruct`` (or any model folder) measures a real model instead, DDP and fsdp2 side by side,
+on the jobs configs/real.yaml and configs/real-sft.yaml run (their batches: GRPO 8 prompts x 4 samples of 16
+tokens, SFT 16 rows; 8 validation sums instead of 200).
 
     .venv/bin/python bench/fsdp_memory.py [--layers 12] [--hidden 2048] [--intermediate 5632] [--model M] [--steps 3]
-        [--strategies fsdp2,ddp] [--flows grpo,sft] [--stall-timeout 600] [--env KEY=VALUE ...]
+        [--strategies fsdp2,ddp] [--flows grpo,sft] [--stall-timeout 600] [--override KEY=VALUE ...]
+        [--env KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 GIB = 1024**3
 PRESETS = {"grpo": "demo", "sft": "demo-sft"}
+# --model: the real model's own presets (configs/real.yaml, real-sft.yaml: the jobs a user runs), their batch sizes
+REAL_PRESETS = {"grpo": "real", "sft": "real-sft"}
 # --strategies: a name -> its overrides (fsdp2-lockstep: HF generation gathers a layer at a time, never the whole)
 STRATEGIES = {
     "ddp": ["actor.strategy=ddp"],
@@ -134,7 +139,7 @@ def parameter_count(path: Path) -> int:
         count = 0
         for name in weights.keys():
             count += _numel(weights.get_slice(name).get_shape())
-    return path, count
+    return count
 
 
 def _numel(shape: list[int]) -> int:
@@ -221,7 +226,7 @@ def run_once(flow: str, strategy: str, model: Path, args, tag: str) -> dict:
         "train",
         flow,
         "--config",
-        PRESETS[flow],
+        (REAL_PRESETS if args.model else PRESETS)[flow],
         f"model.path={model}",
         *STRATEGIES[strategy],
         "trainer.n_workers=2",
@@ -233,7 +238,8 @@ def run_once(flow: str, strategy: str, model: Path, args, tag: str) -> dict:
         f"trainer.runs_dir={runs_dir}",
         "trainer.log_model=false",
         "trainer.max_restarts=0",
-        *OVERRIDES[flow],
+        *(["data.task.num_val=8"] if args.model else OVERRIDES[flow]),
+        *args.override,
     ]
     watch = RunWatch()
     stalled = False
@@ -319,17 +325,26 @@ def commit() -> str:
 def print_report(args, params: int, results: list[dict], started: datetime.datetime) -> None:
     size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
     state, reference = 16 * params / GIB, 4 * params / GIB  # float32 weights, gradients, AdamW's moments; reference
+    if args.model:
+        model = f"{args.model}: {params:,} parameters."
+        batches = "the presets' batches (GRPO 8 prompts x 4 samples, SFT 16 rows a step)"
+    else:
+        model = (
+            f"Llama, {args.layers} layers x hidden {args.hidden} (MLP {args.intermediate}, heads of 64), character "
+            f"tokenizer, tied embeddings, float32: {params:,} parameters."
+        )
+        batches = "GRPO 4 prompts x 2 samples, SFT 4 rows a step"
     lines = [
-        f"Llama, {args.layers} layers x hidden {args.hidden} (MLP {args.intermediate}, heads of 64), character "
-        f"tokenizer, tied embeddings, float32: {params:,} parameters.",
+        model,
         f"Per worker, the state alone: DDP {state:.2f} GiB (float32 weights, gradients, AdamW's moments; GRPO "
         f"+{reference:.2f} GiB reference), FSDP2 over 2 workers half of it, plus {reference:.2f} GiB while it "
         "generates (the whole policy gathered).",
-        f"{args.steps} steps, 2 workers, one checkpoint; GRPO 4 prompts x 2 samples, SFT 4 rows a step. A run: "
-        f"{shlex.join(results[0]['command'])}",
+        f"{args.steps} steps, 2 workers, one checkpoint; {batches}. A run: {shlex.join(results[0]['command'])}",
     ]
     if args.env:
         lines.append(f"extra environment of the runs: {' '.join(args.env)}")
+    if args.override:
+        lines.append(f"extra overrides of the runs: {' '.join(args.override)}")
     print("\n" + "\n".join(lines) + "\n")
     print(
         "| model | flow | strategy | result | peak RSS per worker (GiB) | median step (s) | wall time (s) | "
@@ -382,6 +397,13 @@ def main() -> None:
     parser.add_argument("--flows", default="grpo,sft", help="comma-separated flows: grpo, sft")
     parser.add_argument(
         "--stall-timeout", type=float, default=600, help="kill a run with no new output for this many seconds"
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override added to every run (repeatable), e.g. actor.fsdp_config.reshard_after_forward=false",
     )
     parser.add_argument(
         "--env",
