@@ -532,8 +532,6 @@ VERL_NAMES = {
     "trainer.val_before_train": "trainer.test_freq (validation runs before the first step and after the last)",
     "actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_per_gpu",
     "actor.use_dynamic_bsz": "nothing yet: micro-batches have a fixed size (actor.ppo_micro_batch_size_per_gpu)",
-    "actor.strategy": "nothing yet: actors are DDP (FSDP2 is planned)",
-    "actor.fsdp_config": "nothing yet: actors are DDP (FSDP2 is planned); mixed precision is model.autocast",
     "actor.optim.warmup_style": "actor.optim.lr_scheduler",
     "actor.optim.lr_warmup_steps_ratio": "actor.optim.lr_warmup_steps",
     "rollout.log_prob_micro_batch_size": "rollout.log_prob_micro_batch_size_per_gpu",
@@ -542,7 +540,23 @@ VERL_NAMES = {
     "reward_model.enable": "reward.reward_model (a model section; unset = rule rewards)",
     "reward_model.path": "reward.reward_model.path",
     "reward_model.reward_manager": "reward.reward_fn",
+    "critic.model.fsdp_config": "critic.fsdp_config",
 }
+# verl's fsdp_config keys rlflow has under another name, for the actor and the critic
+for _role in ("actor", "critic"):
+    VERL_NAMES |= {
+        f"{_role}.fsdp_config.param_offload": f"{_role}.fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy: "
+        "parameters, gradients and AdamW's state stay in CPU memory, the optimizer step runs there)",
+        f"{_role}.fsdp_config.optimizer_offload": f"{_role}.fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy: "
+        "parameters, gradients and AdamW's state stay in CPU memory, the optimizer step runs there)",
+        f"{_role}.fsdp_config.model_dtype": "model.autocast (weights and AdamW's state stay float32; forward and "
+        "backward compute in the autocast dtype)",
+        f"{_role}.fsdp_config.dtype": "model.autocast (the compute dtype; gradients are reduced in float32)",
+        f"{_role}.fsdp_config.mixed_precision": "model.autocast (bf16 compute, float32 reduce and master weights)",
+        f"{_role}.fsdp_config.fsdp_size": "nothing: fsdp2 shards over all trainer.n_workers",
+    }
+# verl's values that rlflow spells otherwise
+VERL_VALUES = {("strategy", "fsdp"): "fsdp2 (torch's fully_shard; verl's FSDP1 has no counterpart in rlflow)"}
 
 
 def verl_name_hint(field: str) -> str | None:
@@ -568,7 +582,8 @@ def validate_config(data: dict | RLConfig) -> RLConfig:
         for problem in error.errors():
             field = ".".join(str(p) for p in problem["loc"]) or "(config)"
             if problem["type"] != "extra_forbidden":
-                lines.append(f"  {field}: {problem['msg']}")
+                hint = VERL_VALUES.get((field.rsplit(".", 1)[-1], problem["input"]))
+                lines.append(f"  {field}: {f'this is a verl value; use {hint}' if hint else problem['msg']}")
                 continue
             # an unknown section arrives whole: name each of its keys
             given = flatten(problem["input"], field + ".") if isinstance(problem["input"], dict) else {field: None}

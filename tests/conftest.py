@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (minutes on the 2-core CI machine: schedule 18, promotion 12, smollm2-vllm ~15, flows 11, topology 8, cluster 7.5).
 HEAVY_MEMORY = {"test_agent_rollouts", "test_readme_agents", "test_real_model", "test_real_model_training",
                 "test_vllm_rollout", "test_lora"}  # fmt: skip
-LONGEST_FIRST = ["test_schedule", "test_promotion", "smollm2-vllm", "test_flows", "test_topology", "test_cluster",
+LONGEST_FIRST = ["smollm2-vllm", "test_schedule", "test_promotion", "test_flows", "test_topology", "test_cluster",
                  "test_training", "test_publish_crashes", "test_lineage", "test_readme", "test_server_auth",
                  "test_single_controller", "test_single_controller_verl_parity", "test_benches",
                  "test_object_store"]  # fmt: skip

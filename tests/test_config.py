@@ -116,6 +116,28 @@ def test_verl_names_point_to_rlflows():
     assert "trainer.no_such_key: Extra inputs are not permitted" in message
 
 
+def test_verl_fsdp_names_point_to_rlflows():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "demo",
+            [
+                "actor.strategy=fsdp",
+                "actor.fsdp_config.param_offload=true",
+                "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+                "critic.model.fsdp_config.optimizer_offload=true",
+            ],
+        )
+    message = str(info.value)
+    assert "actor.strategy: this is a verl value; use fsdp2" in message
+    assert "actor.fsdp_config.param_offload: this is a verl name; use actor.fsdp_config.offload_policy" in message
+    assert "actor_rollout_ref.actor.fsdp_config.model_dtype: this is a verl name; use model.autocast" in message
+    assert "critic.model.fsdp_config.optimizer_offload: this is a verl name; use critic.fsdp_config" in message
+    assert "FSDP2 is planned" not in message
+    assert load_config("demo", ["actor.strategy=fsdp2", "actor.fsdp_config.offload_policy=true"]).actor.strategy == (
+        "fsdp2"
+    )
+
+
 def test_lr_schedule_spans_the_run_unless_set():
     import torch
 
