@@ -10,10 +10,12 @@ weights, gradients, AdamW's two moments, DDP's gradient buckets and the referenc
 gathers the whole policy (4 bytes a parameter) to generate (validation; GRPO's rollout): ~14 bytes a parameter at
 that peak, ~18 GiB for two workers of 0.62B; ``fsdp2-lockstep`` (``actor.fsdp_config.gather_for_generation=false``)
 generates a layer at a time instead (~12 bytes a parameter at 50M). At 1.03B (``--layers 20``) rlflow refuses ddp
-and fsdp2 before any worker starts on a 24 GiB machine (NotEnoughMemory, flows/run_start.py). Those ~14 and ~12 need
-glibc's mmap threshold fixed, which rlflow now does for fsdp2 workers on the CPU (``MALLOC_MMAP_THRESHOLD_=131072``,
-flows/groups.py): without it the workers' heaps kept FSDP2's freed gather buffers and their RSS grew step by step (to
-20-33 bytes a parameter at 50M-100M).
+and fsdp2 before any worker starts on a 24 GiB machine (NotEnoughMemory, flows/run_start.py); fsdp2-lockstep trains
+SFT there, and GRPO with ``--override model.dtype=bfloat16 --override actor.optim.low_precision_weights=true`` (in
+float32 its second step, the first with AdamW's moments, is killed for memory: the README's table). Those ~14 and
+~12 need glibc's mmap threshold fixed, which rlflow now does for fsdp2 workers on the CPU
+(``MALLOC_MMAP_THRESHOLD_=131072``, flows/groups.py): without it the workers' heaps kept FSDP2's freed gather buffers
+and their RSS grew step by step (to 20-33 bytes a parameter at 50M-100M).
 
 Each run is the real CLI in a child process, as a user runs it, for each strategy of ``--strategies`` (``ddp``,
 ``fsdp2``, ``fsdp2-lockstep``: ``STRATEGIES`` below) and each flow of ``--flows`` (``grpo``: configs/demo.yaml,

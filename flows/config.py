@@ -582,7 +582,8 @@ def validate_config(data: dict | RLConfig) -> RLConfig:
         for problem in error.errors():
             field = ".".join(str(p) for p in problem["loc"]) or "(config)"
             if problem["type"] != "extra_forbidden":
-                hint = VERL_VALUES.get((field.rsplit(".", 1)[-1], problem["input"]))
+                given = problem["input"]
+                hint = VERL_VALUES.get((field.rsplit(".", 1)[-1], given)) if isinstance(given, str) else None
                 lines.append(f"  {field}: {f'this is a verl value; use {hint}' if hint else problem['msg']}")
                 continue
             # an unknown section arrives whole: name each of its keys

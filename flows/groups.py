@@ -3,6 +3,7 @@ runner, and the worker groups of a run's roles, built and released."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -153,20 +154,26 @@ def reap_orphaned_ray_agents() -> list[int]:
     Every such process is started by a raylet and stays its child. When a flow process that started a local Ray
     dies by SIGKILL, its raylet and GCS exit with it, but Ray's two agents (``ray::DashboardAgent``,
     ``ray::RuntimeEnvAgent``) can outlive them indefinitely. Every attempt starts by ending those orphans (this
-    user's only), so the new attempt of a crashed run leaves nothing of the dead one behind."""
+    user's only), so the new attempt of a crashed run leaves nothing of the dead one behind. A process forked by a
+    live Ray worker carries its ``ray::`` name while its parent is that worker: it belongs to a running Ray (another
+    run's, on a shared machine) and is left alone."""
     import psutil
 
-    reaped = []
+    orphans = []  # all found before any is killed: a killed process's children would look orphaned at once
     for process in psutil.process_iter(["name", "uids"]):
         try:
             if not (process.info["name"] or "").startswith("ray::") or process.info["uids"].real != os.getuid():
                 continue
             parent = process.parent()
-            if parent is None or "raylet" not in parent.name():
-                process.kill()
-                reaped.append(process.pid)
+            if parent is None or not ("raylet" in parent.name() or parent.name().startswith("ray::")):
+                orphans.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    reaped = []
+    for process in orphans:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            process.kill()
+            reaped.append(process.pid)
     if reaped:
         logger.warning("ended %d Ray agent process(es) left by a dead local Ray: %s", len(reaped), reaped)
     return reaped

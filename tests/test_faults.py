@@ -4,9 +4,12 @@ actors, collectives that fail instead of hanging, and a group that restarts in p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -253,3 +256,33 @@ def test_a_model_too_big_for_ddp_on_this_machine_is_refused_with_fsdp2_as_the_fi
         check_memory_fits(config("actor.strategy=fsdp2"), roles, str(tmp_path))
     lockstep = config("actor.strategy=fsdp2", "actor.fsdp_config.gather_for_generation=false")
     check_memory_fits(lockstep, roles, str(tmp_path))
+
+
+def test_only_ray_processes_left_by_a_dead_ray_are_reaped():
+    """A ``ray::`` process outside any raylet (an agent a SIGKILLed local Ray left behind) is ended when a run
+    starts; one forked by a live Ray worker (it carries the worker's ``ray::`` name, its parent is that worker) is
+    not, until that worker is gone."""
+    from flows.groups import reap_orphaned_ray_agents
+
+    script = (
+        "import os, sys, time\n"
+        "def name(title):\n"
+        "    with open('/proc/self/comm', 'w') as comm: comm.write(title)\n"
+        "name('ray::ReapTestA')\n"
+        "if os.fork() == 0:\n"
+        "    name('ray::ReapTestB'); print(os.getpid(), flush=True); time.sleep(120); os._exit(0)\n"
+        "time.sleep(120)\n"
+    )
+    outer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    inner = psutil.Process(int(outer.stdout.readline()))
+    try:
+        first = reap_orphaned_ray_agents()
+        assert outer.pid in first and inner.pid not in first  # B's parent is A, a ray:: process, when A is looked at
+        outer.wait(10)
+        assert inner.is_running() and inner.status() != psutil.STATUS_ZOMBIE
+        assert inner.pid in reap_orphaned_ray_agents()  # A is gone: B is an orphan now
+        inner.wait(10)
+    finally:
+        for process in (outer, inner):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()

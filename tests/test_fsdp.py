@@ -165,13 +165,16 @@ def test_the_critic_shards_too(tiny_path, tmp_path):
         group = Group(CriticWorker, 2, config={**critic, "strategy": strategy}, model={"path": tiny_path})
         data.batch["values"] = group.compute_values(data).batch["values"]
         results[strategy] = group.update_critic(data).meta_info["metrics"]
-        if strategy == "fsdp2":
-            group.save_checkpoint(str(tmp_path / "critic"))
-            values = group.compute_values(data).batch["values"]
-            assert torch.equal(group.compute_values(data).batch["values"], values)
-            group.update_critic(data)
-            group.load_checkpoint(str(tmp_path / "critic"))
-            assert torch.equal(group.compute_values(data).batch["values"], values)
+        saved = tmp_path / f"critic-{strategy}"
+        group.save_checkpoint(str(saved))
+        values = group.compute_values(data).batch["values"]
+        assert torch.equal(group.compute_values(data).batch["values"], values)
+        group.update_critic(data)
+        group.load_checkpoint(str(saved))  # ddp: rank 1 takes AdamW's state from rank 0's file, the one copy
+        assert torch.equal(group.compute_values(data).batch["values"], values)
+        if strategy == "ddp":
+            states = [torch.load(saved / f"critic_state_rank_{rank}.pt", weights_only=True) for rank in (0, 1)]
+            assert states[0]["optimizer"]["state"] and "optimizer" not in states[1]
         group.close()
     for key in ("critic/vf_loss", "critic/grad_norm"):
         assert np.mean(results["fsdp2"][key]) == pytest.approx(np.mean(results["ddp"][key]), rel=1e-4), key

@@ -85,6 +85,31 @@ def test_data_parallel_sft_learns_and_keeps_replicas_identical(sft_checkpoint):
     assert scores.mean() > 0.2  # greedy exact-match on held-out sums
 
 
+def test_a_ddp_checkpoint_holds_adamw_state_once_and_every_rank_resumes_from_it(sft_checkpoint, reward_group):
+    """AdamW's state is the same on every DDP rank: rank 0 alone writes it (not one copy a worker), and both ranks
+    of a new group load it, so their next step keeps the replicas identical (a rank without it would step apart)."""
+    import torch
+
+    checkpoint, *_ = sft_checkpoint
+    path, _ = reward_group
+    states = {rank: torch.load(f"{checkpoint}/actor_state_rank_{rank}.pt", weights_only=True) for rank in (0, 1)}
+    assert states[0]["optimizer"]["state"] and "optimizer" not in states[1] and "rng" in states[1]
+    config = {
+        "model": {"path": checkpoint},
+        "rollout": {"response_length": 4},
+        "actor": {"ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 32, "optim": {"lr": 1e-3}},
+    }
+    group, pool = actor_group(config, "actor_rollout")
+    try:
+        group.load_checkpoint(checkpoint)
+        group.sft_step(sft_batch(random.Random(2).sample(ROWS["train"], 64), load_tokenizer(path)))
+        first, second = group.get_weights_checksum()
+        assert first == second
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 def test_grpo_raises_reward_of_sft_model(sft_checkpoint, reward_group):
     checkpoint, _, _, sft_scores = sft_checkpoint
     path, reward = reward_group

@@ -385,7 +385,8 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """The model folder (``save_model``), or with fsdp2 every rank's shard of the model and optimizer state
-        (``fsdp.save_sharded``, no gather), plus each rank's optimizer, scheduler and RNG state."""
+        (``fsdp.save_sharded``, no gather), plus each rank's scheduler and RNG state. DDP's optimizer state is the
+        same on every rank (the gradients are all-reduced), so rank 0 alone writes it, not one copy a worker."""
         if fsdp.is_sharded(self._primary_model()):
             fsdp.save_sharded(
                 f"{path}/{fsdp.SHARDS}", self._primary_model(), self.optimizer if self._is_actor else None
@@ -395,7 +396,7 @@ class ActorRolloutRefWorker(Worker):
         if self._is_actor:
             common.save_torch(
                 {
-                    **({} if self.sharded else {"optimizer": self.optimizer.state_dict()}),
+                    **({"optimizer": self.optimizer.state_dict()} if not self.sharded and self.rank == 0 else {}),
                     "lr_scheduler": self.lr_scheduler.state_dict(),
                     "update_steps": self.update_steps,
                     "rng": common.rng_state_to_tensors(common.rng_state()),
@@ -433,8 +434,9 @@ class ActorRolloutRefWorker(Worker):
                 saved.pop("rng")
             else:
                 saved = common.load_torch(own)
-            if not sharded:
-                self.optimizer.load_state_dict(saved["optimizer"])
+            if not sharded:  # rank 0's (checkpoints of before 2026-11-27 have a copy in every rank's file)
+                optimizer = saved.get("optimizer") or common.load_torch(f"{path}/actor_state_rank_0.pt")["optimizer"]
+                self.optimizer.load_state_dict(optimizer)
             self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
             self.update_steps = saved["update_steps"]
             if "rng" in saved:

@@ -124,15 +124,15 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """The value model (HF folder from rank 0) and each rank's optimizer state; with fsdp2 every rank's shard of
-        both (``fsdp.save_sharded``)."""
+        """The value model and its optimizer state from rank 0 (DDP: the same on every rank), each rank's scheduler
+        state; with fsdp2 every rank's shard of the model and optimizer state (``fsdp.save_sharded``)."""
         sharded = fsdp.is_sharded(self.model)
         if sharded:
             fsdp.save_sharded(f"{path}/{fsdp.SHARDS}", self.model, self.optimizer)
         elif self.rank == 0:
             common.save_model(self.model, None, path)
         state = {"lr_scheduler": self.lr_scheduler.state_dict()}
-        if not sharded:
+        if not sharded and self.rank == 0:
             state["optimizer"] = self.optimizer.state_dict()
         common.save_torch(state, f"{path}/critic_state_rank_{self.rank}.pt")
 
@@ -146,6 +146,7 @@ class CriticWorker(Worker):
         if load_optimizer:
             own = f"{path}/critic_state_rank_{self.rank}.pt"
             saved = common.load_torch(own if common.exists(own) else f"{path}/critic_state_rank_0.pt")
-            if not sharded:
-                self.optimizer.load_state_dict(saved["optimizer"])
+            if not sharded:  # rank 0's (checkpoints of before 2026-11-27 have a copy in every rank's file)
+                optimizer = saved.get("optimizer") or common.load_torch(f"{path}/critic_state_rank_0.pt")["optimizer"]
+                self.optimizer.load_state_dict(optimizer)
             self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
