@@ -151,21 +151,27 @@ def flow_task_runner():
 def reap_orphaned_ray_agents() -> list[int]:
     """Kill ``ray::`` processes (Ray's per-node agents and workers) whose raylet is gone.
 
-    Every such process is started by a raylet and stays its child. When a flow process that started a local Ray
-    dies by SIGKILL, its raylet and GCS exit with it, but Ray's two agents (``ray::DashboardAgent``,
-    ``ray::RuntimeEnvAgent``) can outlive them indefinitely. Every attempt starts by ending those orphans (this
-    user's only), so the new attempt of a crashed run leaves nothing of the dead one behind. A process forked by a
-    live Ray worker carries its ``ray::`` name while its parent is that worker: it belongs to a running Ray (another
-    run's, on a shared machine) and is left alone."""
+    Every such process is started by a raylet and stays its child (or, forked by a Ray worker, its grandchild, with
+    the worker's ``ray::`` name). When a flow process that started a local Ray dies by SIGKILL, its raylet and GCS exit
+    with it, but Ray's two agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) can outlive them indefinitely.
+    Every attempt starts by ending those orphans (this user's only), so the new attempt of a crashed run leaves nothing
+    of the dead one behind; a ``ray::`` process whose ``ray::`` ancestors lead to a live raylet belongs to a running
+    Ray (another run's, on a shared machine) and is left alone. All are found before any is killed: a killed
+    process's children would look orphaned at once."""
     import psutil
 
-    orphans = []  # all found before any is killed: a killed process's children would look orphaned at once
+    def under_a_raylet(process) -> bool:
+        parent = process.parent()
+        while parent is not None and parent.name().startswith("ray::"):
+            parent = parent.parent()
+        return parent is not None and "raylet" in parent.name()
+
+    orphans = []
     for process in psutil.process_iter(["name", "uids"]):
         try:
             if not (process.info["name"] or "").startswith("ray::") or process.info["uids"].real != os.getuid():
                 continue
-            parent = process.parent()
-            if parent is None or not ("raylet" in parent.name() or parent.name().startswith("ray::")):
+            if not under_a_raylet(process):
                 orphans.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -259,30 +259,33 @@ def test_a_model_too_big_for_ddp_on_this_machine_is_refused_with_fsdp2_as_the_fi
 
 
 def test_only_ray_processes_left_by_a_dead_ray_are_reaped():
-    """A ``ray::`` process outside any raylet (an agent a SIGKILLed local Ray left behind) is ended when a run
-    starts; one forked by a live Ray worker (it carries the worker's ``ray::`` name, its parent is that worker) is
-    not, until that worker is gone."""
+    """``ray::`` processes outside any raylet (agents a SIGKILLed local Ray left behind, and what they forked) are
+    ended when a run starts, all in one pass; those under a live raylet, a Ray worker and the process it forked
+    (which carries the worker's ``ray::`` name), are not."""
     from flows.groups import reap_orphaned_ray_agents
 
-    script = (
-        "import os, sys, time\n"
-        "def name(title):\n"
-        "    with open('/proc/self/comm', 'w') as comm: comm.write(title)\n"
-        "name('ray::ReapTestA')\n"
-        "if os.fork() == 0:\n"
-        "    name('ray::ReapTestB'); print(os.getpid(), flush=True); time.sleep(120); os._exit(0)\n"
-        "time.sleep(120)\n"
-    )
-    outer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    inner = psutil.Process(int(outer.stdout.readline()))
+    def chain(*names: str) -> list[psutil.Process]:
+        """A process per name, each the parent of the next (names set in /proc/self/comm, as Ray's are)."""
+        script = (
+            "import os, sys, time\n"
+            "for title in sys.argv[1:]:\n"
+            "    if title != sys.argv[1] and os.fork() != 0:\n"
+            "        break\n"
+            "    open('/proc/self/comm', 'w').write(title)\n"
+            "    print(os.getpid(), flush=True)\n"
+            "time.sleep(120)\n"
+        )
+        first = subprocess.Popen([sys.executable, "-c", script, *names], stdout=subprocess.PIPE, text=True)
+        return [psutil.Process(int(first.stdout.readline())) for _ in names]
+
+    live = chain("raylet", "ray::ReapTestW", "ray::ReapTestF")  # a live raylet, its worker, what the worker forked
+    dead = chain("ray::ReapTestA", "ray::ReapTestB")  # an agent whose raylet is gone, and its child
     try:
-        first = reap_orphaned_ray_agents()
-        assert outer.pid in first and inner.pid not in first  # B's parent is A, a ray:: process, when A is looked at
-        outer.wait(10)
-        assert inner.is_running() and inner.status() != psutil.STATUS_ZOMBIE
-        assert inner.pid in reap_orphaned_ray_agents()  # A is gone: B is an orphan now
-        inner.wait(10)
+        reaped = reap_orphaned_ray_agents()
+        assert {p.pid for p in dead} <= set(reaped) and not {p.pid for p in live} & set(reaped), reaped
+        psutil.wait_procs(dead, timeout=10)
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in live)
     finally:
-        for process in (outer, inner):
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+        for process in (*live, *dead):
+            with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
