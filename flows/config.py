@@ -544,11 +544,13 @@ VERL_NAMES = {
 }
 # verl's fsdp_config keys rlflow has under another name, for the actor and the critic
 for _role in ("actor", "critic"):
+    _offload = (
+        f"{_role}.fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy: parameters, gradients and AdamW's state "
+        "stay in CPU memory, the optimizer step runs there)"
+    )
     VERL_NAMES |= {
-        f"{_role}.fsdp_config.param_offload": f"{_role}.fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy: "
-        "parameters, gradients and AdamW's state stay in CPU memory, the optimizer step runs there)",
-        f"{_role}.fsdp_config.optimizer_offload": f"{_role}.fsdp_config.offload_policy (FSDP2's CPUOffloadPolicy: "
-        "parameters, gradients and AdamW's state stay in CPU memory, the optimizer step runs there)",
+        f"{_role}.fsdp_config.param_offload": _offload,
+        f"{_role}.fsdp_config.optimizer_offload": _offload,
         f"{_role}.fsdp_config.model_dtype": "model.autocast (weights and AdamW's state stay float32; forward and "
         "backward compute in the autocast dtype)",
         f"{_role}.fsdp_config.dtype": "model.autocast (the compute dtype; gradients are reduced in float32)",
