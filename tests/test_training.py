@@ -53,16 +53,21 @@ def reward_group(ray_cluster, tmp_path_factory):
     pool.remove()
 
 
+def sft_config(model_path: str) -> dict:
+    """The SFT warm-up's workers: 64 rows an optimizer step, forward/backward passes of 32 rows on each worker."""
+    return {
+        "model": {"path": model_path},
+        "rollout": {"response_length": 4},
+        "actor": {"ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 32, "optim": {"lr": 1e-3}},
+    }
+
+
 @pytest.fixture(scope="module")
 def sft_checkpoint(reward_group, tmp_path_factory):
     """SFT warm-up of the tiny model on 2 data-parallel workers; returns (checkpoint path, losses, accuracy)."""
     path, reward = reward_group
     tokenizer = load_tokenizer(path)
-    config = {
-        "model": {"path": path},
-        "rollout": {"response_length": 4},
-        "actor": {"ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 32, "optim": {"lr": 1e-3}},
-    }
+    config = sft_config(path)
     group, pool = actor_group(config, "actor_rollout")
     rng = random.Random(0)
     losses = []
@@ -94,11 +99,7 @@ def test_a_ddp_checkpoint_holds_adamw_state_once_and_every_rank_resumes_from_it(
     path, _ = reward_group
     states = {rank: torch.load(f"{checkpoint}/actor_state_rank_{rank}.pt", weights_only=True) for rank in (0, 1)}
     assert states[0]["optimizer"]["state"] and "optimizer" not in states[1] and "rng" in states[1]
-    config = {
-        "model": {"path": checkpoint},
-        "rollout": {"response_length": 4},
-        "actor": {"ppo_mini_batch_size": 64, "ppo_micro_batch_size_per_gpu": 32, "optim": {"lr": 1e-3}},
-    }
+    config = sft_config(checkpoint)
     group, pool = actor_group(config, "actor_rollout")
     try:
         group.load_checkpoint(checkpoint)
