@@ -38,6 +38,7 @@ from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_mo
 from rlworkers.rewards import load_reward_fn
 from rlworkers.storage import is_remote
 from rlworkers.workers import memory
+from rlworkers.workers.common import EMULATED_BF16_SLOWDOWN, resolve_autocast
 from rlworkers.workers.config import RewardConfig
 from rlworkers.workers.reward import RuleReward
 
@@ -160,6 +161,8 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
     if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
         lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
     run.groups = build_groups(config, roles, record.model_dir)
+    if "actor" in run.groups:
+        record_precision(run.groups["actor"], tracker)
     if resume:
         restore(run, resume[0], state)
     run.progress = ProgressArtifact(name, config.trainer.total_steps)
@@ -177,6 +180,24 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         f" (attempt after {crashes} crash(es))" if crashes else "",
     )
     return run
+
+
+def record_precision(actor, tracker: Tracker) -> None:
+    """Log what the actor computes in and why (``model.autocast=auto`` resolved on the workers' own device), keep
+    it as the run's params (``precision.*``; a later attempt's as a tag, params being immutable), and warn when bf16
+    is forced on a CPU that only emulates it."""
+    report = actor.get_precision()[0]
+    logger = get_run_logger()
+    logger.info("precision: %s", report["reason"])
+    if report["slow"]:
+        logger.warning(
+            "%s: bf16 is emulated on this CPU, %s (docs/performance.md). Fix: model.autocast=auto (bf16 only where "
+            "it is native) or model.autocast=none",
+            report["reason"],
+            EMULATED_BF16_SLOWDOWN,
+        )
+    tracker.log_params({"precision.autocast": report["autocast"], "precision.reason": report["reason"]})
+    tracker.set_tags({"rlflow.precision": f"{report['autocast']}: {report['reason']}"})
 
 
 def check_rows_fit(config: RLConfig, algorithm: str, tokenizer, model_dir: str, train_rows, val_rows) -> None:
@@ -280,7 +301,9 @@ def _trained_models(
     if gather is None:
         gather = config.actor.fsdp_config.gather_for_generation
     gathered = (
-        memory.DTYPE_BYTES[config.model.autocast or config.model.dtype] if gather and config.rollout.name == "hf" else 0
+        memory.DTYPE_BYTES[resolve_autocast(config.model, config.trainer.device) or config.model.dtype]
+        if gather and config.rollout.name == "hf"
+        else 0
     )
     trainable = 0 if config.actor.lora.enabled else parameters  # an adapter's own parameters are few
     n = config.trainer.n_workers

@@ -102,7 +102,8 @@ class ActorRolloutRefWorker(Worker):
         """``actor.strategy=fsdp2``: ``model`` sharded over the workers (mixed precision from ``model.autocast``)."""
         if not self.sharded:
             return model
-        compute_dtype = torch_dtype(self.config.model.autocast) if self.config.model.autocast else None
+        autocast = common.resolve_autocast(self.config.model, self.device)
+        compute_dtype = torch_dtype(autocast) if autocast else None
         return fsdp.shard_model(model, self.config.actor.fsdp_config, self.device, compute_dtype)
 
     def _load(self, path: str) -> torch.nn.Module:
@@ -460,6 +461,12 @@ class ActorRolloutRefWorker(Worker):
             "total": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_precision(self) -> dict:
+        """What this worker computes in and why (``common.precision_report``): ``model.autocast=auto`` is resolved
+        on the worker's own device, which may not be the controller's."""
+        return common.precision_report(self.config.model, self.device)
 
     def _primary_model(self) -> torch.nn.Module:
         """What is saved, loaded and checked: the policy, or the reference on a reference-only worker."""

@@ -4,6 +4,7 @@ micro-batching and checkpoint files (safetensors for weights, ``torch.load(weigh
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 
@@ -77,11 +78,79 @@ def per_rank_batch_size(total: int, world_size: int, what: str) -> int:
     return total // world_size
 
 
+# bf16 emulated on a CPU without native support, against float32: SmolLM2-135M-Instruct forward+backward on an
+# AVX2-only AMD EPYC (docs/performance.md, "Precision for the hardware"; bench/precision.py measures it on any CPU)
+EMULATED_BF16_SLOWDOWN = "about 13x slower than float32"
+
+
+@functools.cache
+def native_bf16(device: str) -> tuple[bool, str]:
+    """Whether ``device`` computes bfloat16 natively, and what says so (for the log and the run's params)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available in this process"
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{name} computes bf16"
+        return False, f"{name} has no native bf16"
+    if kind == "cpu":
+        features = cpu_bf16_features()
+        capability = torch.backends.cpu.get_cpu_capability()
+        if features:
+            return True, f"the CPU has {' and '.join(features)} ({capability})"
+        return False, f"the CPU has no AMX or AVX512-BF16 (torch reports {capability})"
+    return False, f"device type {kind!r}: native bf16 unknown"
+
+
+def cpu_bf16_features() -> list[str]:
+    """This CPU's instructions that compute bf16 natively: AMX, AVX512-BF16 (empty on AVX2-only CPUs)."""
+    checks = {"AMX": "_is_amx_tile_supported", "AVX512-BF16": "_is_avx512_bf16_supported"}
+    flags = {"AMX": "amx_bf16", "AVX512-BF16": "avx512_bf16"}
+    found = []
+    for name, check in checks.items():
+        probe = getattr(torch.cpu, check, None)  # torch's own probes (private; /proc/cpuinfo where they are gone)
+        if probe is not None:
+            present = bool(probe())
+        else:
+            try:
+                with open("/proc/cpuinfo") as f:
+                    present = flags[name] in f.read().split()
+            except OSError:
+                present = False
+        if present:
+            found.append(name)
+    return found
+
+
+def resolve_autocast(model: ModelConfig, device: str) -> str | None:
+    """The dtype ``model.autocast`` computes in on ``device``: 'auto' is bfloat16 where bf16 is native, else None."""
+    if model.autocast != "auto":
+        return model.autocast
+    return "bfloat16" if native_bf16(device)[0] else None
+
+
+def precision_report(model: ModelConfig, device: str) -> dict:
+    """What a worker computes in and why: ``autocast`` (a dtype name or "none"), ``reason``, and ``slow`` when bf16
+    is forced on a device that only emulates it."""
+    resolved = resolve_autocast(model, device)
+    native, why = native_bf16(device) if resolved == "bfloat16" or model.autocast == "auto" else (True, "")
+    if model.autocast == "auto":
+        reason = f"model.autocast=auto: {'bfloat16' if resolved else 'float32'} compute, {why}"
+    elif resolved is None:
+        reason = "model.autocast is unset: float32 compute"
+    else:
+        reason = f"model.autocast={resolved}" + (f" ({why})" if why else "")
+    slow = resolved == "bfloat16" and not native and torch.device(device).type == "cpu"
+    return {"autocast": resolved or "none", "reason": reason, "slow": slow}
+
+
 def autocast(model: ModelConfig, device: str):
     """``model.autocast``: forward passes in bf16/fp16 over the float32 weights (mixed precision), else nothing."""
-    if model.autocast is None:
+    dtype = resolve_autocast(model, device)
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=torch_dtype(model.autocast))
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch_dtype(dtype))
 
 
 # ---------------------------------------------------------------------------------------------- optimisation

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlworkers.algorithms.kl import KL_ESTIMATORS
 from rlworkers.algorithms.losses import LOSS_AGG_MODES
@@ -25,13 +25,23 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     path: str = Field("tiny", description="HF model path or hub name; 'tiny' creates the offline tiny Llama")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    autocast: Literal["bfloat16", "float16"] | None = Field(
+    autocast: Literal["auto", "bfloat16", "float16"] | None = Field(
         None,
-        description="the actor's mixed precision: forward passes (HF generation, log-probs, the update) under "
-        "torch.autocast in this dtype, weights and optimizer state in float32 (model.dtype)",
+        description="mixed precision: forward passes (HF generation, log-probs, the update) under torch.autocast in "
+        "this dtype, weights and optimizer state in float32 (model.dtype). 'auto': bfloat16 where the device computes "
+        "it natively (CUDA with bf16, a CPU with AMX or AVX512-BF16), none elsewhere (bf16 emulated on an AVX2 CPU "
+        "is many times slower than float32). null / none: float32 compute",
     )
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _none_spelled_out(cls, value):
+        """``model.autocast=none`` (or null, off, false) on a command line turns a preset's autocast off."""
+        if value is False or (isinstance(value, str) and value.strip().lower() in ("none", "null", "off", "false", "")):
+            return None  # YAML reads `off` and `false` as False
+        return value
 
     @model_validator(mode="after")
     def _check_autocast(self):

@@ -50,7 +50,7 @@ class CriticWorker(Worker):
         if self.model_config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.config.strategy == "fsdp2":  # sharded over the workers; mixed precision from model.autocast
-            autocast = self.model_config.autocast
+            autocast = common.resolve_autocast(self.model_config, self.device)
             compute_dtype = torch_dtype(autocast) if autocast else None
             self.module = fsdp.shard_model(self.model, self.config.fsdp_config, self.device, compute_dtype)
         else:
