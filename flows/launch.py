@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from flows.startup import mark_flow_called
+
 ALGORITHMS = ("sft", "grpo", "ppo", "online_dpo")
 
 
@@ -26,4 +28,6 @@ def get_flow(algorithm: str):
 
 def run_training(algorithm: str, config, return_state: bool = False):
     """Run one training flow; it starts Ray as its config asks (trainer.ray_address, trainer.ray_num_cpus)."""
-    return get_flow(algorithm)(config=config, return_state=return_state)
+    flow_fn = get_flow(algorithm)
+    mark_flow_called()  # the end of the start-up's first phase (flows/startup.py)
+    return flow_fn(config=config, return_state=return_state)

@@ -13,6 +13,7 @@ before ``result.json`` is written, so a run marked complete is always one the li
 from __future__ import annotations
 
 import json
+import time
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -24,6 +25,7 @@ from flows.tracking import artifact_key
 def publish(run) -> dict:
     """Evaluate the final model, save it, log (and register) it, promote it in a lineage, record the data
     cursor, and mark the run complete (``result.json``); a Prefect markdown artifact summarises it."""
+    started = time.perf_counter()
     total = run.config.trainer.total_steps
     if total not in run.val_scores:  # an attempt that only finishes publishing
         run_evaluation.validate(run, total)
@@ -57,6 +59,7 @@ def publish(run) -> dict:
         markdown=lineage.summary_markdown(run.record, result),
         description=f"result of {run.config.trainer.run_name}",
     )
+    run.tracker.log_metrics({"timing_s/publish": time.perf_counter() - started}, total)
     run.tracker.finish("FINISHED")  # before result.json: a run marked complete is one the lineage can continue
     lineage.write_result(run.root, result)
     return result

@@ -19,6 +19,7 @@ from flows.rows import chat_template_kwargs, check_ground_truth, dataset_rows, r
 from flows.run_checkpoints import checkpoint_root, restore
 from flows.run_lock import one_run_at_a_time
 from flows.runtime import Run, TerminalProgress
+from flows.startup import StartupClock, run_clock
 from flows.tracking import (
     ProgressArtifact,
     Tracker,
@@ -54,6 +55,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     """
     from flows.preflight import require_mlflow_tracking, require_prefect_api
 
+    clock = run_clock()
     config.check_algorithm(algorithm)
     require_prefect_api()
     require_mlflow_tracking()
@@ -63,8 +65,9 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     check_runs_dir_writable(config)
     lock = contextlib.ExitStack()  # held until Run.close: one run of a lineage at a time (flows/run_lock.py)
     lock.enter_context(one_run_at_a_time(config.trainer.lineage, config.trainer.run_name, runs_root(config)))
+    clock.mark("checks")
     try:
-        run = _start_holding_the_lock(config, algorithm, roles)
+        run = _start_holding_the_lock(config, algorithm, roles, clock)
     except BaseException:
         lock.close()
         raise
@@ -72,9 +75,10 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     return run
 
 
-def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, ...]) -> Run:
+def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, ...], clock: StartupClock) -> Run:
     reap_orphaned_ray_agents()
     flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
+    clock.mark("ray")
     name = config.trainer.run_name
     root = runs_root(config)
     crashes = lineage.check_restart_budget(config.trainer.max_crash_restarts)
@@ -124,6 +128,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         if eval_set.scorer is not None:
             RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
 
+    clock.mark("data")
     experiment = config.trainer.lineage or config.trainer.project_name
     tags = {
         "algorithm": algorithm,
@@ -139,6 +144,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
     tracker.log_params(flatten(config))
     publish_mlflow_link(name, tracker.url)
 
+    clock.mark("tracking")
     loader = PromptDataLoader(
         train_rows, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.trainer.seed
     )
@@ -152,6 +158,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         tracker=tracker,
         eval_sets=eval_sets,
         record=record,
+        startup=clock,
     )
     if record.data_cursor and not resume:
         get_run_logger().info(
@@ -163,8 +170,10 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
     run.groups = build_groups(config, roles, record.model_dir)
     if "actor" in run.groups:
         record_precision(run.groups["actor"], tracker)
+    clock.mark("worker_groups")
     if resume:
         restore(run, resume[0], state)
+        clock.mark("restore")
     run.progress = ProgressArtifact(name, config.trainer.total_steps)
     if sys.stderr.isatty():
         run.terminal = TerminalProgress(f"{algorithm} {name}", config.trainer.total_steps, run.start_step - 1)

@@ -18,12 +18,13 @@ from datetime import datetime, timezone
 
 from prefect import get_run_logger
 
-from flows import evaluation, lineage, run_checkpoints, run_evaluation
+from flows import evaluation, lineage, run_checkpoints, run_evaluation, startup
 from flows.config import RLConfig
 from flows.groups import release_group
 from flows.recovery import recover
 from flows.rows import chat_template_kwargs
 from flows.run_publish import publish
+from flows.startup import StartupClock
 from flows.tracking import ProgressArtifact, Tracker
 from rlworkers.data.batching import prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader
@@ -65,6 +66,7 @@ class Run:
     last_step_end: float | None = None  # perf_counter when the step before ended (its validation and checkpoint too)
     ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
     warned_clipped: bool = False  # a training step's responses were mostly cut by rollout.response_length (said once)
+    startup: StartupClock | None = None  # the start-up's phases (flows/startup.py), logged once the loop starts
 
     @property
     def steps(self) -> Iterator[int]:
@@ -222,11 +224,22 @@ class Run:
                     run_evaluation.evaluate(self, 0)
                 except Exception as error:
                     recover(self, 0, error)
+            self.log_startup()
             yield
             publish(self)
             status = "FINISHED"
         finally:
             self.close(status)
+
+    def log_startup(self) -> None:
+        """The start-up's phases as ``timing_s/startup/*`` at the step before the first one, and in one line."""
+        if self.startup is None:
+            return
+        if self.start_step == 1:
+            self.startup.mark("validate_start")
+        self.tracker.log_metrics(self.startup.metrics(), self.start_step - 1, wait=False)
+        get_run_logger().info("started in %s", self.startup.summary())
+        self.startup = None
 
     def submit_ahead(self, step: int, submit: Callable[[], object]) -> None:
         """Submit ``step``'s first stage (``submit()``) while the step before it still runs, to start as soon as that
@@ -262,6 +275,7 @@ class Run:
         self.release_workers()
         self.tracker.finish(status)
         self.lock.close()  # the next run of the lineage may start: this one has published and closed
+        startup.run_ended()
 
     def release_workers(self) -> None:
         """Shut every worker group down and give its placement back (at the end, or before a long pause)."""

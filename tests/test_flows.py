@@ -151,6 +151,10 @@ def test_grpo_flow_end_to_end(env):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/score/mean")] == [0, 2, 3]
     assert run.data.params["actor.optim.lr"] == "0.0001" and run.data.params["rollout.n"] == "4"
     assert run.data.params["precision.autocast"] == "none"  # the demo computes in float32 (tests/test_precision.py)
+    startup = {k for k in run.data.metrics if k.startswith("timing_s/startup/")}  # flows/startup.py, at step 0
+    assert {f"timing_s/startup/{p}" for p in ("imports", "ray", "worker_groups", "validate_start")} <= startup
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/startup/worker_groups")] == [0]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/publish")] == [3]
     artifacts_paths = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"samples", "checkpoints"} <= artifacts_paths
     samples = client.load_table(

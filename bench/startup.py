@@ -1,0 +1,129 @@
+"""A run's fixed cost: `rlflow train` of a 2-step tiny job, with the servers up, from the command to its exit, and
+where that time goes (the run's own ``timing_s/startup/*`` metrics, flows/startup.py; its steps; ``timing_s/publish``;
+the rest is the shutdown: workers released, the MLflow run closed, Ray stopped, the process's exit).
+
+Each job runs ``--repeat`` times (a new run name each time); the median of each phase is printed with its share of the
+median wall time. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git worktree` of an
+older commit) with this environment, for a before/after in one sitting: a checkout without the startup metrics shows
+its wall time only. The CPU's capability is printed beside the figures (they depend on it).
+
+    .venv/bin/python bench/startup.py [--jobs sft,grpo] [--repeat 3] [--source DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+JOBS = {
+    "sft": ["sft", "--config", "demo-sft", "trainer.total_steps=2"],
+    "grpo": ["grpo", "--config", "demo", "trainer.total_steps=2"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_description() -> str:
+    import torch
+
+    from rlworkers.workers.common import cpu_bf16_features
+
+    name = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    native = " and ".join(cpu_bf16_features()) or "no native bf16"
+    return f"{name}, {os.cpu_count()} logical CPUs, torch {torch.backends.cpu.get_cpu_capability()}, {native}"
+
+
+def run_once(job: str, runs_dir: Path, source: Path, env: dict) -> dict[str, float]:
+    name = f"startup-{job}-{uuid.uuid4().hex[:6]}"
+    command = [sys.executable, "-m", "flows.cli", "train", *JOBS[job]]
+    command += [f"trainer.runs_dir={runs_dir}", f"trainer.run_name={name}"]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return {"wall": wall, **phases_of(name)}
+
+
+def phases_of(run_name: str) -> dict[str, float]:
+    """The run's start-up phases, its steps and its publishing, from its MLflow run (empty for code without them)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found = client.search_runs(experiments, filter_string=f"tags.`rlflow.run_name` = '{run_name}'")
+    if not found:
+        return {}
+    run = found[0]
+    metrics = run.data.metrics
+    phases = {k.removeprefix("timing_s/startup/"): v for k, v in metrics.items() if k.startswith("timing_s/startup/")}
+    if not phases:
+        return {}
+    steps = client.get_metric_history(run.info.run_id, "timing_s/step")
+    phases["steps"] = sum(m.value for m in steps)
+    phases["publish"] = metrics.get("timing_s/publish", 0.0)
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", default="sft,grpo", help=f"comma-separated, of {', '.join(JOBS)}")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--source", type=Path, default=ROOT, help="the checkout whose rlflow runs (default: this)")
+    args = parser.parse_args()
+
+    from flows.preflight import apply_service_env
+    from flows.services import ServiceConfig, start_services, stop_services
+
+    print(f"CPU: {cpu_description()}")
+    with tempfile.TemporaryDirectory(prefix="rlflow-startup-") as tmp:
+        config = ServiceConfig(state_dir=Path(tmp) / "home", prefect_port=free_port(), mlflow_port=free_port())
+        urls = start_services(config)
+        try:
+            apply_service_env(urls)
+            source = args.source.resolve()
+            env = {**os.environ, "PYTHONPATH": str(source)}  # apply_service_env set the servers' URLs
+            for job in args.jobs.split(","):
+                results = [run_once(job, Path(tmp) / "runs", source, env) for _ in range(args.repeat)]
+                report(job, results, source)
+        finally:
+            stop_services(config)
+
+
+def report(job: str, results: list[dict[str, float]], source: Path) -> None:
+    wall = statistics.median(r["wall"] for r in results)
+    print(f"\n`rlflow train {' '.join(JOBS[job])}` ({source}): {wall:.1f} s median of {len(results)}")
+    print("  walls: " + ", ".join(f"{r['wall']:.1f}" for r in results))
+    names = [k for k in results[0] if k != "wall"]
+    if not names:
+        print("  (no timing_s/startup metrics: code from before flows/startup.py)")
+        return
+    medians = {name: statistics.median(r.get(name, 0.0) for r in results) for name in names}
+    medians["shutdown and the rest"] = max(0.0, wall - sum(medians.values()))
+    for name, seconds in medians.items():
+        print(f"  {name:<22} {seconds:6.1f} s  {100 * seconds / wall:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
