@@ -1,4 +1,4 @@
-"""Peak memory per worker of ``actor.strategy: fsdp2`` against ``ddp`` (the README's "Bigger models: FSDP2").
+"""Peak memory per worker of ``actor.strategy: fsdp2`` against ``ddp`` (docs/performance.md, FSDP2 vs DDP).
 
 The model: a Llama with the tiny character tokenizer (``rlworkers.models.tiny.ensure_tiny_model``), built here with
 random weights: ``--layers`` decoder layers of width ``--hidden`` (heads of 64), MLP width ``--intermediate``, tied
@@ -12,7 +12,7 @@ that peak, ~18 GiB for two workers of 0.62B; ``fsdp2-lockstep`` (``actor.fsdp_co
 generates a layer at a time instead (~12 bytes a parameter at 50M). At 1.03B (``--layers 20``) rlflow refuses ddp
 and fsdp2 before any worker starts on a 24 GiB machine (NotEnoughMemory, flows/run_start.py); fsdp2-lockstep trains
 SFT there, and GRPO with ``--override model.dtype=bfloat16 --override actor.optim.low_precision_weights=true`` (in
-float32 its second step, the first with AdamW's moments, is killed for memory: the README's table). Those ~14 and
+float32 its second step, the first with AdamW's moments, is killed for memory: the docs' table). Those ~14 and
 ~12 need glibc's mmap threshold fixed, which rlflow now does for fsdp2 workers on the CPU
 (``MALLOC_MMAP_THRESHOLD_=131072``, flows/groups.py): without it the workers' heaps kept FSDP2's freed gather buffers
 and their RSS grew step by step (to 20-33 bytes a parameter at 50M-100M).

@@ -83,7 +83,26 @@ def train(
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2)
     use_services(prefect=True, mlflow=True)
-    state = run_training(algorithm, cfg, return_state=True)
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+
+    def stop(signum, _frame):
+        raise TerminationSignal(signal=signum)
+
+    # Prefect's flow engine turns SIGTERM into TerminationSignal, but after the run's own clean-up it re-sends the
+    # signal to the handler it found (SIG_DFL: the process dies before the flow run is marked Crashed). With this
+    # one the re-sent signal raises again, the engine marks the run Crashed, and the command exits below.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        state = run_training(algorithm, cfg, return_state=True)
+    except (KeyboardInterrupt, TerminationSignal) as stop:
+        signum = getattr(stop, "signal", 2)  # SIGINT raises KeyboardInterrupt
+        console.print(
+            f"[red]stopped by signal {signum}: the workers are stopped, the MLflow run is KILLED and the Prefect "
+            f"flow run Crashed. The same command resumes from the run's last checkpoint.[/red]"
+        )
+        raise typer.Exit(128 + signum) from None
     if not state.is_completed():
         console.print(f"[red]{state.name}: {state.message}[/red]")
         raise typer.Exit(1)

@@ -18,7 +18,7 @@ from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orph
 from flows.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
 from flows.run_checkpoints import checkpoint_root, restore
 from flows.run_lock import one_run_at_a_time
-from flows.runtime import Run, TerminalProgress
+from flows.runtime import Run, TerminalProgress, end_status, stop_signal
 from flows.startup import StartupClock, run_clock
 from flows.tracking import (
     ProgressArtifact,
@@ -160,23 +160,13 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         record=record,
         startup=clock,
     )
-    if record.data_cursor and not resume:
-        get_run_logger().info(
-            "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
-        )
-    run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
-    if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
-        lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
-    run.groups = build_groups(config, roles, record.model_dir)
-    if "actor" in run.groups:
-        record_precision(run.groups["actor"], tracker)
-    clock.mark("worker_groups")
-    if resume:
-        restore(run, resume[0], state)
-        clock.mark("restore")
-    run.progress = ProgressArtifact(name, config.trainer.total_steps)
-    if sys.stderr.isatty():
-        run.terminal = TerminalProgress(f"{algorithm} {name}", config.trainer.total_steps, run.start_step - 1)
+    try:
+        _start_workers(run, roles, resume, state, clock)
+    except BaseException as error:  # the MLflow run is open: it ends with the workers that did start
+        run.close(end_status(error))
+        if (stop := stop_signal(error)) is not None and stop is not error:
+            raise stop from error
+        raise
     get_run_logger().info(
         "%s run %r from %s: steps %d..%d, MLflow %s%s%s",
         algorithm,
@@ -189,6 +179,28 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         f" (attempt after {crashes} crash(es))" if crashes else "",
     )
     return run
+
+
+def _start_workers(run: Run, roles: tuple[str, ...], resume, state: dict | None, clock: StartupClock) -> None:
+    """The run's worker groups, its checkpoint restored (``resume``), its progress shown."""
+    config, record, name, loader = run.config, run.record, run.config.trainer.run_name, run.loader
+    if record.data_cursor and not resume:
+        get_run_logger().info(
+            "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
+        )
+    run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
+    if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
+        lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
+    run.groups = build_groups(config, roles, record.model_dir)
+    if "actor" in run.groups:
+        record_precision(run.groups["actor"], run.tracker)
+    clock.mark("worker_groups")
+    if resume:
+        restore(run, resume[0], state)
+        clock.mark("restore")
+    run.progress = ProgressArtifact(name, config.trainer.total_steps)
+    if sys.stderr.isatty():
+        run.terminal = TerminalProgress(f"{run.algorithm} {name}", config.trainer.total_steps, run.start_step - 1)
 
 
 def record_precision(actor, tracker: Tracker) -> None:

@@ -228,6 +228,11 @@ class Run:
             yield
             publish(self)
             status = "FINISHED"
+        except BaseException as error:
+            status = end_status(error)
+            if (stop := stop_signal(error)) is not None and stop is not error:
+                raise stop from error  # the flow run ends Crashed (Prefect's handling of a stop), not Failed
+            raise
         finally:
             self.close(status)
 
@@ -310,6 +315,26 @@ class TerminalProgress:
 
 
 # ---------------------------------------------------------------------------------------------- set-up
+def stop_signal(error: BaseException) -> BaseException | None:
+    """The stop from outside behind ``error``, if any: SIGTERM, which the flow engine raises as Prefect's
+    ``TerminationSignal``, SIGINT (``KeyboardInterrupt``) or an exit. Raised in the middle of a call into Ray's
+    compiled code it may surface as another error (a ``SystemError`` whose context it is), hence the chain."""
+    from prefect.exceptions import TerminationSignal
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, SystemExit, TerminationSignal)):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def end_status(error: BaseException) -> str:
+    """The MLflow status of a run that ``error`` ended: KILLED when it was stopped from outside, FAILED otherwise."""
+    return "KILLED" if stop_signal(error) is not None else "FAILED"
+
+
 def worker_time(metrics: dict, critical_path: list[list[str]]) -> float:
     """A step's seconds in its stages' calls along ``critical_path`` (stages listed in order; those in one inner
     list ran concurrently, so their longest counts)."""

@@ -70,9 +70,11 @@ flows/prefect_internals.py, which lists and checks them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pickle
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -148,7 +150,8 @@ def connect_ray(address: str, init_kwargs: dict[str, Any], log: logging.Logger) 
 
     for attempt in range(1, RAY_CLIENT_CONNECT_ATTEMPTS + 1):
         try:
-            ray.init(address, **init_kwargs)
+            with keep_sigterm_handler():
+                ray.init(address, **init_kwargs)
             return
         except ConnectionAbortedError as error:  # Ray Client disconnects before raising it: a new try starts clean
             if not address.startswith("ray://") or attempt == RAY_CLIENT_CONNECT_ATTEMPTS:
@@ -161,6 +164,20 @@ def connect_ray(address: str, init_kwargs: dict[str, Any], log: logging.Logger) 
                 str(error).splitlines()[0],
             )
             time.sleep(2)
+
+
+@contextlib.contextmanager
+def keep_sigterm_handler():
+    """``ray.init`` in the main thread replaces the SIGTERM handler with its own (``sys.exit``); the flow engine's,
+    which turns SIGTERM into Prefect's ``TerminationSignal`` and the flow run Crashed, is put back. The run still
+    ends its workers and its MLflow run on the way out (``flows.runtime.Run.training``), Ray at exit."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(handler):  # a handler of Python's (the flow engine's), not SIG_DFL: Ray's exits cleanly
+            signal.signal(signal.SIGTERM, handler)
 
 
 class HandOff:
