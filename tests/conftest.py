@@ -101,3 +101,15 @@ def services(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def prefect_proxy(services):
+    """A proxy in front of the session's Prefect server, and the environment that sends a command through it."""
+    port = int(services["PREFECT_API_URL"].rsplit(":", 1)[1].split("/", 1)[0])
+    from faults import TcpProxy
+
+    proxy = TcpProxy(port)
+    proxy.start()
+    yield proxy, {"PREFECT_API_URL": f"http://127.0.0.1:{proxy.port}/api"}
+    proxy.stop()

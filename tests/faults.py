@@ -114,7 +114,7 @@ class TcpProxy(threading.Thread):
         super().__init__(daemon=True)
         self.target_port = target_port
         self._trigger: tuple[bytes, int] | None = None
-        self._action: Callable[[], None] | None = None
+        self._action: Callable[[], None] | bytes | None = None
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         self.port = self.listener.getsockname()[1]
@@ -122,6 +122,7 @@ class TcpProxy(threading.Thread):
         self._halt = threading.Event()
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.answered: list[bytes] = []  # request lines answer_at answered
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -143,6 +144,10 @@ class TcpProxy(threading.Thread):
             while data := source.recv(65536):
                 if from_client:
                     hit, action = self._triggered(data)
+                    if hit and isinstance(action, bytes):  # answer_at: this request answered here, not relayed
+                        source.sendall(action)
+                        self.answered.append(data.split(b"\r\n", 1)[0])
+                        return
                     if hit and action is not None:  # act_at: this request only
                         action()
                         _reset(source)
@@ -167,7 +172,16 @@ class TcpProxy(threading.Thread):
         with self._lock:
             self._trigger, self._action = (marker, nth), action
 
-    def _triggered(self, data: bytes) -> tuple[bool, Callable[[], None] | None]:
+    def answer_at(self, marker: bytes, status: int = 503, reason: str = "Service Unavailable", nth: int = 1) -> None:
+        """The ``nth`` request containing ``marker`` gets an HTTP error response from the proxy instead of the
+        server's, as a loaded server or a gateway in front of it answers now and then (its request line lands in
+        ``answered``); the connection then closes and the next ones are relayed."""
+        body = f"{status} {reason}".encode()
+        head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
+        with self._lock:
+            self._trigger, self._action = (marker, nth), (head + "Connection: close\r\n\r\n").encode() + body
+
+    def _triggered(self, data: bytes) -> tuple[bool, Callable[[], None] | bytes | None]:
         """Whether ``data`` is the request the trigger waits for, and the action to take (None: cut)."""
         with self._lock:
             if self._trigger is None or self._trigger[0] not in data:

@@ -15,7 +15,12 @@ import pytest
 from test_readme import readme_block
 
 pytestmark = pytest.mark.slow
-SHORT = "trainer.total_steps=1 trainer.test_freq=1 trainer.save_freq=1 data.task.num_val=4"
+# one step, 4 validation answers, 4 prompts x 2 trajectories: what the commands do, not how far they train (the
+# presets' 8 x 4 trajectories of SmolLM2 took minutes a step on a CPU without native bf16)
+SHORT = (
+    "trainer.total_steps=1 trainer.test_freq=1 trainer.save_freq=1 data.task.num_val=4 data.train_batch_size=4 "
+    "rollout.n=2 actor.ppo_mini_batch_size=8 actor.ppo_micro_batch_size_per_gpu=2"
+)
 
 
 def test_the_agents_block_runs_in_the_order_shown(services, tmp_path):

@@ -1,7 +1,8 @@
 """`rlflow train` stopped from outside, as `timeout`, a scheduler or a container stop does it: SIGTERM mid-run ends
 the MLflow run KILLED and the Prefect flow run Crashed, after the workers are stopped (the command exits 143, naming
 what to do); the same command then resumes from the last checkpoint and ends with the weights of a run that was
-never stopped, bit for bit (same machine)."""
+never stopped, bit for bit (same machine). That uninterrupted run goes through a Prefect server that answers one of
+its requests with 503 (the prefect_proxy fixture of tests/conftest.py): a transient server error does not stop a run."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from rlworkers.models.tiny import ensure_tiny_model
 pytestmark = pytest.mark.slow
 
 
-def test_sigterm_ends_both_runs_and_the_same_command_resumes_bitwise(services, tmp_path):
+def test_sigterm_ends_both_runs_and_the_same_command_resumes_bitwise(services, prefect_proxy, tmp_path):
     name = f"stopped-{uuid.uuid4().hex[:6]}"
     common = [
         "train", "sft", "--config", "demo-sft", f"model.path={ensure_tiny_model(tmp_path / 'tiny')}",
@@ -51,7 +52,10 @@ def test_sigterm_ends_both_runs_and_the_same_command_resumes_bitwise(services, t
     assert not (root / "final_model").exists()
 
     rlflow(*common, f"trainer.run_name={name}")  # the same command: resumes (trainer.resume=auto)
-    rlflow(*common, f"trainer.run_name={name}-straight")
+    proxy, through_proxy = prefect_proxy
+    proxy.answer_at(b"POST /api/artifacts/")  # the run's first artifact (its MLflow link), made by rlflow's code
+    rlflow(*common, f"trainer.run_name={name}-straight", env=through_proxy)
+    assert proxy.answered == [b"POST /api/artifacts/ HTTP/1.1"], proxy.answered
     assert MlflowClient().get_run(record.mlflow_run_id).info.status == "FINISHED"  # the same MLflow run, continued
     resumed = load_file(root / "final_model" / "model.safetensors")
     straight = load_file(tmp_path / "runs" / f"{name}-straight" / "final_model" / "model.safetensors")

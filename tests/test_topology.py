@@ -121,6 +121,7 @@ def test_a_postgresql_server_that_refuses_is_named_with_the_fix(postgres):
         ensure_postgres_databases(wrong)
 
 
+@pytest.mark.timeout(1200)  # its load makes its runs slow by design; 600 s ran out on an AVX2-only CPU
 def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_services, tmp_path):
     """bench/restarts_under_load.py, bounded: 4 lineage runs on 2 deployments served by a plain
     `prefect worker start` (no rlflow restart loop), 2 of them SIGKILLed in their first attempt while API clients
