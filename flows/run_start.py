@@ -18,7 +18,7 @@ from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orph
 from flows.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
 from flows.run_checkpoints import checkpoint_root, restore
 from flows.run_lock import one_run_at_a_time
-from flows.runtime import Run, TerminalProgress, end_status, stop_signal
+from flows.runtime import Run, TerminalProgress, end_status, raise_the_stop_behind
 from flows.startup import StartupClock, run_clock
 from flows.tracking import (
     ProgressArtifact,
@@ -164,8 +164,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
         _start_workers(run, roles, resume, state, clock)
     except BaseException as error:  # the MLflow run is open: it ends with the workers that did start
         run.close(end_status(error))
-        if (stop := stop_signal(error)) is not None and stop is not error:
-            raise stop from error
+        raise_the_stop_behind(error)
         raise
     get_run_logger().info(
         "%s run %r from %s: steps %d..%d, MLflow %s%s%s",

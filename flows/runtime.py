@@ -230,8 +230,7 @@ class Run:
             status = "FINISHED"
         except BaseException as error:
             status = end_status(error)
-            if (stop := stop_signal(error)) is not None and stop is not error:
-                raise stop from error  # the flow run ends Crashed (Prefect's handling of a stop), not Failed
+            raise_the_stop_behind(error)
             raise
         finally:
             self.close(status)
@@ -328,6 +327,13 @@ def stop_signal(error: BaseException) -> BaseException | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def raise_the_stop_behind(error: BaseException) -> None:
+    """Raise the stop from outside that ``error`` wraps, if any, so that the flow run ends Crashed (Prefect's handling
+    of a stop), not Failed."""
+    if (stop := stop_signal(error)) is not None and stop is not error:
+        raise stop from error
 
 
 def end_status(error: BaseException) -> str:

@@ -15,8 +15,6 @@ import time
 
 import psutil
 
-PHASES = ("imports", "flow_start", "checks", "ray", "data", "tracking", "worker_groups", "restore", "validate_start")
-
 
 class StartupClock:
     """Seconds per phase: ``mark(phase)`` ends ``phase`` now, and the next phase starts."""

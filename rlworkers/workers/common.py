@@ -105,17 +105,18 @@ def native_bf16(device: str) -> tuple[bool, str]:
 
 def cpu_bf16_features() -> list[str]:
     """This CPU's instructions that compute bf16 natively: AMX, AVX512-BF16 (empty on AVX2-only CPUs)."""
-    checks = {"AMX": "_is_amx_tile_supported", "AVX512-BF16": "_is_avx512_bf16_supported"}
-    flags = {"AMX": "amx_bf16", "AVX512-BF16": "avx512_bf16"}
     found = []
-    for name, check in checks.items():
-        probe = getattr(torch.cpu, check, None)  # torch's own probes (private; /proc/cpuinfo where they are gone)
-        if probe is not None:
-            present = bool(probe())
+    for name, probe, flag in (
+        ("AMX", "_is_amx_tile_supported", "amx_bf16"),
+        ("AVX512-BF16", "_is_avx512_bf16_supported", "avx512_bf16"),
+    ):
+        check = getattr(torch.cpu, probe, None)  # torch's own probes (private; /proc/cpuinfo where they are gone)
+        if check is not None:
+            present = bool(check())
         else:
             try:
                 with open("/proc/cpuinfo") as f:
-                    present = flags[name] in f.read().split()
+                    present = flag in f.read().split()
             except OSError:
                 present = False
         if present:
