@@ -1,6 +1,7 @@
 """Scheduling as a user runs it: `rlflow deploy` on a real Prefect server, a real process worker (`rlflow worker`),
 deployment runs triggered through the Prefect API; the tests run against the session's servers (SQLite) and
-again against servers on a private PostgreSQL cluster (the worker's own restart on SQLite only, see below).
+again against servers on a private PostgreSQL cluster where the database makes a difference (the heartbeat
+automation; the worker's own restart and the manual approval on SQLite only, see below).
 
 - two triggers of a lineage deployment, the first paused for manual approval longer than its lock's lease renewal:
   the second waits for the first (the lineage's lock, flows/run_lock.py), then starts from the first run's approved
@@ -171,6 +172,9 @@ def wait_final(flow_run_id, worker, timeout_s: float = 420):
     )
 
 
+# On SQLite only: the pause, the lease and the resume are the same API calls on both databases, and a lineage on
+# PostgreSQL is tests/test_topology.py's; PostgreSQL's part here is the heartbeat automation (the last test).
+@pytest.mark.parametrize("servers", ["sqlite"], indirect=True)
 def test_a_lineage_trains_one_run_at_a_time_through_a_manual_approval(worker, servers):
     """The deployment's run of a lineage pauses for a person's approval (trainer.promotion=manual) and is left
     paused longer than its lock's lease renewal period; `rlflow train` of the same lineage meanwhile waits instead of

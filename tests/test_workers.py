@@ -170,9 +170,9 @@ def test_bf16_autocast_computes_in_bf16_over_float32_weights(tiny_path):
     rng = random.Random(0)
     losses = [
         mixed.sft_step(sft_batch(rng.sample(ROWS["train"], 32), mixed.tokenizer)).meta_info["metrics"]["sft/loss"]
-        for _ in range(40)
+        for _ in range(20)  # bf16 is emulated (~15x slower) on CPUs without AMX / AVX512-BF16
     ]
-    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3])
+    assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3])
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
     assert all(v.dtype == torch.float32 for state in mixed.optimizer.state.values() for v in state.values() if v.dim())
     with pytest.raises(ValueError, match="model.autocast=bfloat16 computes in bfloat16 over float32 weights"):
