@@ -68,6 +68,7 @@ def small_config(env, name: str, *extra: str):
             "critic.ppo_micro_batch_size_per_gpu=8",
             "trainer.log_samples=4",
             "trainer.log_model=false",
+            "trainer.n_workers=1",  # one actor process fewer per run; the tests of data parallelism ask for 2
             *extra,
         ],
     )
@@ -99,7 +100,7 @@ async def prefect_view(flow_run_id):
 
 def test_grpo_flow_end_to_end(env):
     name = f"e2e-grpo-{uuid.uuid4().hex[:6]}"
-    config = small_config(env, name, "trainer.log_model=true")
+    config = small_config(env, name, "trainer.log_model=true", "trainer.n_workers=2")  # the demo's 2 workers
     state, metrics = run_flow("grpo", config)
     assert state.is_completed()
     assert {"critic/score/mean", "actor/pg_loss", "timing_s/gen", "perf/orchestration_overhead_frac"} <= set(metrics)
@@ -254,6 +255,7 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
         "trainer.stage_timeout_s_per_sample=0",
         "trainer.max_restarts=4",
         "reward.num_workers=1",  # a reward worker process, to kill
+        "trainer.n_workers=2",  # a DDP step for a rank to die in
     )
     clean_state, clean_metrics = run_flow("grpo", small_config(env, f"{base}-clean", *overrides))
     config = small_config(env, f"{base}-faults", *overrides)
@@ -313,6 +315,7 @@ def test_fsdp2_ranks_killed_or_hung_are_replaced_and_the_run_matches_an_uninterr
     base = f"fsdp-faults-{uuid.uuid4().hex[:6]}"
     overrides = (
         "actor.strategy=fsdp2",
+        "trainer.n_workers=2",
         "trainer.total_steps=4",
         "trainer.test_freq=0",
         "trainer.save_freq=2",
@@ -357,6 +360,7 @@ def test_ppo_with_actor_and_critic_sharded_gives_the_ddp_run_numbers(env, tmp_pa
             "algorithm.adv_estimator=gae",
             f"actor.strategy={strategy}",
             f"critic.strategy={strategy}",
+            "trainer.n_workers=2",
             digit_reward(tmp_path),
         ]
         state, _ = run_flow("ppo", small_config(env, name, "trainer.total_steps=2", "trainer.test_freq=0", *extra))

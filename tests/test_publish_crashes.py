@@ -58,6 +58,7 @@ def test_a_run_killed_at_each_step_of_publishing_publishes_once(services, mlflow
         "trainer.save_freq=2", "trainer.test_freq=0", "trainer.log_samples=0", "data.train_batch_size=16",
         "data.val_batch_size=8", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8",
         "actor.optim.lr=1e-9",  # as good as its start model: promoted as the lineage's first version
+        "trainer.n_workers=1",  # one actor process fewer in each of its seven runs
     ]  # fmt: skip
     through_proxy = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_proxy.port}"}
     client = MlflowClient()

@@ -28,7 +28,7 @@ def test_sigterm_ends_both_runs_and_the_same_command_resumes_bitwise(services, p
         f"trainer.runs_dir={tmp_path / 'runs'}", "trainer.total_steps=30", "trainer.save_freq=10",
         "trainer.test_freq=0", "trainer.log_samples=0", "trainer.log_model=false", "trainer.steps_per_task=1",
         "data.train_batch_size=16", "data.val_batch_size=8", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size_per_gpu=8",
+        "actor.ppo_micro_batch_size_per_gpu=8", "trainer.n_workers=1",
     ]  # fmt: skip
     stopped = rlflow_in_background(*common, f"trainer.run_name={name}")
     root = tmp_path / "runs" / name
