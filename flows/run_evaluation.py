@@ -26,6 +26,24 @@ def should_validate(run, step: int) -> bool:
     return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
 
 
+def reference_answers_fit(rows: list[dict], tokenizer, response_length: int, data) -> bool:
+    """Whether every row has a reference answer (its ``data.response_key``, or its conversation's last assistant
+    turn) and each fits in ``response_length`` tokens with the end of sequence. Then a response cut by the limit is
+    one the model has not learned to end (an untrained model never ends), not an answer the limit cut off."""
+    answers = []
+    for row in rows:
+        messages = row.get(data.messages_key) or []
+        assistant = [m["content"] for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+        answer = row.get(data.response_key) or (assistant[-1] if assistant else None)
+        if not isinstance(answer, str):
+            return False  # e.g. verl's GSM8K rows: a final number as ground truth, not the answer the model writes
+        answers.append(answer)
+    if not answers:
+        return False
+    lengths = [len(ids) + 1 for ids in tokenizer(answers, add_special_tokens=False)["input_ids"]]
+    return max(lengths) <= response_length
+
+
 def validate(run, step: int) -> dict[str, float]:
     """The model at ``step`` on the validation rows (the first ``data.val_batch_size``), greedy and scored by the
     training reward: ``val/...`` metrics and a table of samples in MLflow. At step 0 and at the last step it also
@@ -43,7 +61,8 @@ def validate(run, step: int) -> dict[str, float]:
     metrics["val/response_length/clip_ratio"] = float((response_mask.sum(-1) == response_mask.shape[-1]).float().mean())
     for key in sorted(k for k in out.non_tensor_batch if k.startswith(("reward_extra/", "agent/"))):
         metrics[f"val/{key}/mean"] = float(np.nanmean(out.non_tensor_batch[key].astype(float)))
-    run.warn_if_clipped(f"validation at step {step}", metrics["val/response_length/clip_ratio"])
+    fit = reference_answers_fit(rows, run.tokenizer, run.config.rollout.response_length, data)
+    run.warn_if_clipped(f"validation at step {step}", metrics["val/response_length/clip_ratio"], fit)
     responses = decode_responses(out, run.tokenizer)
     columns = zip(out.non_tensor_batch["raw_prompt"], responses, out.non_tensor_batch["ground_truth"], scores)
     samples = [

@@ -93,9 +93,7 @@ class Run:
         epoch = self.loader.epoch
         rows = self.loader.next_batch()
         if self.loader.epoch != epoch:
-            get_run_logger().warning(
-                "the training data is exhausted after epoch %d: starting epoch %d", epoch, self.loader.epoch
-            )
+            get_run_logger().info("epoch %d of the training data done: starting epoch %d", epoch, self.loader.epoch)
         return rows
 
     def next_prompts(self):
@@ -182,10 +180,21 @@ class Run:
             self.terminal.update(step, metrics)
         get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
 
-    def warn_if_clipped(self, where: str, clip_ratio: float) -> bool:
+    def warn_if_clipped(self, where: str, clip_ratio: float, references_fit: bool = False) -> bool:
         """Say so (WARNING) when most responses were cut by ``rollout.response_length`` before they ended: their
-        answers are likely missing, and the reward curve stays flat for a reason no metric chart shows at once."""
+        answers are likely missing, and the reward curve stays flat for a reason no metric chart shows at once.
+        Not when every reference answer of the rows fits in the limit (``references_fit``, validation's rows): the
+        model has not learned to end its answers yet, which the score already shows, and the limit is not the cause."""
         if clip_ratio <= CLIPPED_WARNING_RATIO:
+            return False
+        if references_fit:
+            get_run_logger().info(
+                "%s: %.0f%% of the responses did not end within rollout.response_length=%d (every reference answer "
+                "fits in it: the model does not end its answers yet)",
+                where,
+                100 * clip_ratio,
+                self.config.rollout.response_length,
+            )
             return False
         get_run_logger().warning(
             "%s: %.0f%% of the responses hit rollout.response_length=%d without ending (EOS); their answers may be "

@@ -395,3 +395,21 @@ def test_the_environment_demo_counts_answers_right_at_the_first_try_and_after_fe
         "start model 3 of 10 right at the first try, 0 more after feedback; "
         "final model 5 of 10 right at the first try, 2 more after feedback"
     )
+
+
+def test_clipped_responses_are_blamed_on_the_limit_only_when_a_reference_answer_does_not_fit():
+    """The demo's validation rows: answers of 1-3 digits, each 2-4 tokens with the end of sequence; a model that has
+    not learned to end them is not a limit to raise (flows/runtime.py's warning)."""
+    from flows.run_evaluation import reference_answers_fit
+    from rlworkers.data.synthetic import addition_rows
+    from rlworkers.models.tiny import build_char_tokenizer
+
+    tokenizer, data = build_char_tokenizer(), load_config("demo").data
+    rows = addition_rows(num_train=1, num_val=200, max_digits=2, seed=0)["validation"]
+    assert reference_answers_fit(rows, tokenizer, 4, data)  # "198" + EOS
+    assert not reference_answers_fit(rows, tokenizer, 3, data)  # a 3-digit sum is cut
+    chats = [{"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}]
+    assert reference_answers_fit(chats, tokenizer, 2, data) and not reference_answers_fit(chats, tokenizer, 1, data)
+    gsm8k_like = [{"prompt": "Q", "reward_model": {"ground_truth": "72"}}]  # the final number is no answer to fit
+    assert not reference_answers_fit(gsm8k_like, tokenizer, 64, data)
+    assert not reference_answers_fit([], tokenizer, 64, data)
