@@ -5,6 +5,7 @@ flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 
@@ -14,7 +15,7 @@ from prefect.exceptions import UnfinishedRun
 from flows.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
 from flows.stages import is_task_run_of_step
 from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
-from rlworkers.single_controller import PlacementError
+from rlworkers.single_controller import PlacementError, StageTimeout
 
 
 class FaultBudgetExhausted(RuntimeError):
@@ -48,6 +49,16 @@ def recover(run, step: int, error: Exception) -> None:
         if isinstance(error, UnfinishedRun):  # a stage before this one failed: say which, and why
             raise StepFailed(f"step {step} failed with every worker alive: " + "; ".join(failures)) from error
         raise error
+    cut = stage_cut(error, failures)
+    if cut and run.last_cut == (step, cut[0]):
+        trainer = run.config.trainer
+        raise StepFailed(
+            f"step {step}: {cut[0]!r} was cut at its time limit twice in a row, after {cut[1]:.0f} s the second "
+            "time, its workers not working (a restart would only repeat it). If the stage is just slow, raise "
+            f"trainer.stage_timeout_s (now {trainer.stage_timeout_s:.0f}) or trainer.stage_timeout_s_per_sample "
+            f"(now {trainer.stage_timeout_s_per_sample})"
+        ) from error
+    run.last_cut = (step, cut[0]) if cut else None
     where = ", ".join(f"{name} rank(s) {ranks}" for name, ranks in lost.items())
     run.faults.append(f"step {step}: {where} lost; " + "; ".join(failures))
     budget = run.config.trainer.max_restarts
@@ -85,6 +96,20 @@ def recover(run, step: int, error: Exception) -> None:
         run.start_step,
         checkpoint[0] if checkpoint else "the start model",
     )
+
+
+def stage_cut(error: BaseException, failures: list[str]) -> tuple[str, float] | None:
+    """(method, seconds) of a call that a time limit cut (``StageTimeout``), found in ``error``'s chain or in the
+    step's failed task runs' messages (a stage after the cut one fails too, with the cut one's message)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, StageTimeout):
+            return seen.method, seen.waited_s
+        seen = seen.__cause__ or seen.__context__
+    for failure in failures:
+        if found := re.search(r"'(\w+)' did not answer within (\d+) s", failure):
+            return found.group(1), float(found.group(2))
+    return None
 
 
 def restart_group(run, name: str) -> None:

@@ -60,6 +60,7 @@ class Run:
     redo_from: int | None = None  # set by recovery: the step the loop goes back to (see step_blocks)
     start_state: dict = field(default_factory=dict)  # where a fault before the first checkpoint rewinds to
     faults: list[str] = field(default_factory=list)
+    last_cut: tuple[int, str] | None = None  # (step, stage) of the last fault if a time limit cut it (recovery.py)
     lock: ExitStack = field(default_factory=ExitStack)  # the lineage's slot (run_lock.py)
     last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
     step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt

@@ -118,6 +118,14 @@ class Peer(Worker):
         return self.rank
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def compute(self, cpu_seconds: float) -> int:
+        """A fixed amount of work (CPU seconds, however long it takes on a busy machine)."""
+        start = time.process_time()
+        while time.process_time() - start < cpu_seconds:
+            sum(i * i for i in range(10_000))
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join(self, timeout_s: float) -> str:
         return self.init_process_group("gloo", timeout_s=timeout_s)
 
@@ -183,6 +191,53 @@ def test_a_hung_worker_times_out_and_is_ended(peers):
     peers.restart()
     assert peers.work(0) == [0, 1]
     peers.set_call_timeout(None)
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """``count`` processes that burn CPU until the block ends (another job on the machine)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_call_slowed_past_its_limit_by_a_cpu_hog_is_slow_not_hung(peers):
+    """Each rank needs 2 s of CPU; with two processes burning the machine's cores beside them it takes longer than
+    its 1 s limit. The ranks are working (their CPU time grows), so the call gets more time and finishes: nothing is
+    killed, and the method's next limit is scaled to what it took."""
+    pids = peers.pid()
+    peers.set_call_timeout(1.0)
+    try:
+        with cpu_hogs(2):
+            started = time.monotonic()
+            assert peers.compute(2.0) == [0, 1]
+        assert time.monotonic() - started > 2.0  # it did run past its limit
+        assert peers.pid() == pids  # no rank was ended
+        assert peers.call_time_limit("compute") >= 3 * 2.0  # 3 x the slowest call so far (at least its CPU time)
+        assert peers.call_time_limit("pid") == 1.0  # a fast method keeps the configured limit
+    finally:
+        peers.set_call_timeout(None)
+
+
+def test_a_call_that_waits_past_its_limit_without_working_is_cut(peers):
+    """A rank that neither computes nor answers (here: asleep, as in a deadlock) is not slow: cut at its limit
+    plus the watch, its message saying so."""
+    peers.set_call_timeout(2.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StageTimeout) as info:
+            peers.work(60)
+    finally:
+        peers.set_call_timeout(None)
+    assert time.monotonic() - started < 30
+    assert info.value.ranks == [0, 1] and info.value.windows == 1
+    assert "processes were not working (stopped, gone, or idle)" in str(info.value)
+    peers.restart()
+    assert peers.work(0) == [0, 1]
 
 
 def test_a_collective_with_a_hung_peer_fails_after_its_timeout(peers):  # last: leaves a broken world
@@ -289,3 +344,29 @@ def test_only_ray_processes_left_by_a_dead_ray_are_reaped():
         for process in (*live, *dead):
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def test_a_stage_cut_twice_in_a_row_at_the_same_step_fails_the_run_naming_the_setting():
+    """The first cut is a fault like any other (recorded, restarted within the budget); the same stage cut again at
+    the same step is not retried: the run fails naming the stage, how long it ran and the settings to raise."""
+    from types import SimpleNamespace
+
+    from flows.recovery import recover
+
+    trainer = SimpleNamespace(stage_timeout_s=650.0, stage_timeout_s_per_sample=0.5, max_restarts=0, run_name="r")
+    group = SimpleNamespace(unresponsive_ranks=lambda: [0])
+    run = SimpleNamespace(ahead=[], distinct_groups=lambda: {"actor": group}, step_started_at=None, faults=[],
+                          config=SimpleNamespace(trainer=trainer), last_cut=None)  # fmt: skip
+    cut = StageTimeout([0], "generate_sequences", 650.0, [PROCESS], windows=1)
+    with pytest.raises(FaultBudgetExhausted):  # a fault (max_restarts=0: no restart here)
+        recover(run, 3, cut)
+    assert run.last_cut == (3, "generate_sequences")
+    again = StageTimeout([0], "generate_sequences", 650.0, [PROCESS], windows=2)
+    with pytest.raises(StepFailed) as info:
+        recover(run, 3, again)
+    message = str(info.value)
+    assert "step 3: 'generate_sequences' was cut at its time limit twice in a row, after 1300 s" in message
+    assert "trainer.stage_timeout_s (now 650)" in message and "trainer.stage_timeout_s_per_sample (now 0.5)" in message
+    run.last_cut = (2, "generate_sequences")  # the same stage at another step: a fault again
+    with pytest.raises(FaultBudgetExhausted):
+        recover(run, 3, cut)

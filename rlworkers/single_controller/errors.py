@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -74,27 +74,43 @@ class StageTimeout(WorkerError):
     """Ranks that did not answer a worker-group call within its time limit (their actors were killed)."""
 
     def __init__(
-        self, ranks: Sequence[int], method: str, timeout_s: float, workers: Sequence[WorkerProcess | None] = ()
+        self,
+        ranks: Sequence[int],
+        method: str,
+        timeout_s: float,
+        workers: Sequence[WorkerProcess | None] = (),
+        windows: int = 1,
     ):
-        self.ranks, self.timeout_s, self.workers = list(ranks), timeout_s, list(workers)
+        self.ranks, self.timeout_s, self.workers, self.windows = list(ranks), timeout_s, list(workers), windows
         super().__init__(
             self.ranks[0],
             method,
-            f"no answer within {timeout_s:.0f} s",
+            f"no answer within {timeout_s * windows:.0f} s",
             self.workers[0] if self.workers else None,
             remote_traceback="",
         )
 
+    @property
+    def waited_s(self) -> float:
+        """How long the call ran before it was cut: its limit, times the windows it was given while working."""
+        return self.timeout_s * self.windows
+
     def _message(self) -> str:
         where = "; ".join(f"rank {r}: {w}" for r, w in zip(self.ranks, self.workers) if w) or "no process details"
+        why = (
+            "their processes were not working (stopped, gone, or idle)"
+            if self.windows == 1
+            else f"they were working at {self.timeout_s:.0f} s and got {self.windows - 1} more window(s) of it, then "
+            "stopped working or reached the most windows a call gets"
+        )
         return (
-            f"{self.method!r} did not answer within {self.timeout_s:.0f} s on rank(s) {self.ranks} ({where}); "
-            "those actors were killed so that a retry starts clean. If the stage is just slow, raise "
+            f"{self.method!r} did not answer within {self.waited_s:.0f} s on rank(s) {self.ranks} ({where}); {why}. "
+            "Those actors were killed so that a retry starts clean. If the stage is just slow, raise "
             "trainer.stage_timeout_s / trainer.stage_timeout_s_per_sample"
         )
 
     def __reduce__(self):
-        return type(self), (self.ranks, self.method, self.timeout_s, self.workers)
+        return type(self), (self.ranks, self.method, self.timeout_s, self.workers, self.windows)
 
 
 class PlacementError(RuntimeError):
@@ -109,12 +125,16 @@ def get_with_rank(
     workers: Sequence[WorkerProcess | None] | None = None,
     timeout_s: float | None = None,
     grace_s: float = 2.0,
+    still_working: Callable[[list[int]], bool] | None = None,
+    max_windows: int = 10,
 ) -> list:
     """``ray.get(refs)`` in rank order, failing fast and naming who failed.
 
     Raises ``WorkerError`` as soon as one rank fails; when several fail within ``grace_s`` of the first (a dead
     peer makes the others' collectives fail too), a rank whose process died is named over one that raised.
-    Raises ``StageTimeout`` for the ranks still running after ``timeout_s`` (the caller kills them).
+    Raises ``StageTimeout`` for the ranks still running after ``timeout_s`` (the caller kills them), unless
+    ``still_working(those ranks)`` says they are slow, not hung: then they get another ``timeout_s``, up to
+    ``max_windows`` in all.
     """
     import ray
 
@@ -125,11 +145,17 @@ def get_with_rank(
     errors: dict[int, BaseException] = {}
     pending = list(refs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    windows = 1
     while pending:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         if not done:
-            break
+            late = [ranks[index[ref]] for ref in pending]
+            if errors or still_working is None or windows >= max_windows or not still_working(late):
+                break
+            windows += 1
+            deadline = time.monotonic() + timeout_s
+            continue
         i = index[done[0]]
         try:
             outputs[i] = ray.get(done[0])
@@ -143,7 +169,7 @@ def get_with_rank(
         raise WorkerError(ranks[i], method, errors[i], workers[i]) from errors[i]
     if pending:  # errors is empty here: the deadline is the call's own
         late = sorted(index[ref] for ref in pending)
-        raise StageTimeout([ranks[i] for i in late], method, timeout_s, [workers[i] for i in late])
+        raise StageTimeout([ranks[i] for i in late], method, timeout_s, [workers[i] for i in late], windows)
     return [outputs[i] for i in range(len(refs))]
 
 

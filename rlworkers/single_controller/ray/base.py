@@ -35,6 +35,7 @@ from rlworkers.single_controller.base.worker import RENDEZVOUS_KEY_ENV
 from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, WorkerGroup
 from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, get_with_rank
 from rlworkers.single_controller.futures import DataProtoFuture
+from rlworkers.single_controller.ray import progress
 from rlworkers.single_controller.ray.group_transport import reduce_group
 from rlworkers.single_controller.ray.placement import RayResourcePool, _placed, _resources
 
@@ -161,6 +162,7 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 0
 
 
+SLOWEST_FACTOR = 3.0  # a call's time limit is at least this many times its method's slowest earlier call (per row)
 PROTECTED_ENV = (
     "WORLD_SIZE",
     "RANK",
@@ -359,19 +361,35 @@ class RayWorkerGroup(WorkerGroup):
 
     # ------------------------------------------------------------------------------------------- execution
     def set_call_timeout(self, timeout_s: float | None, per_row_s: float = 0.0) -> None:
-        """Time limit of every blocking call: ``timeout_s + per_row_s * rows`` of its batch argument (None: none)."""
+        """Time limit of every blocking call: ``timeout_s + per_row_s * rows`` of its batch argument (None: none),
+        and at least ``SLOWEST_FACTOR`` times what the slowest earlier call of the same method took (per row).
+        Ranks still running at the limit are cut only when they are not working (progress.still_working)."""
         self.call_timeout_s, self.call_timeout_s_per_row = timeout_s, per_row_s
 
+    def call_time_limit(self, method_name: str, rows: int = 0) -> float | None:
+        """The time limit of a call of ``method_name`` on a batch of ``rows`` (see ``set_call_timeout``)."""
+        if self.call_timeout_s is None:
+            return None
+        seen = self.__dict__.get("_slowest_s", {}).get(method_name, 0.0)
+        return max(self.call_timeout_s + self.call_timeout_s_per_row * rows, SLOWEST_FACTOR * seen * max(rows, 1))
+
     def _collect(self, refs: list, ranks: list[int], method_name: str, rows: int = 0) -> list:
-        timeout_s = None if self.call_timeout_s is None else self.call_timeout_s + self.call_timeout_s_per_row * rows
+        timeout_s, started = self.call_time_limit(method_name, rows), time.monotonic()
+        workers = [self._worker_processes[r] for r in ranks]
+
+        def still_working(late: list[int]) -> bool:
+            return progress.still_working(method_name, [self._worker_processes[r] for r in late])
+
         try:
-            return get_with_rank(
-                refs, ranks, method_name, timeout_s=timeout_s, workers=[self._worker_processes[r] for r in ranks]
-            )
+            outputs = get_with_rank(refs, ranks, method_name, timeout_s=timeout_s, workers=workers,
+                                    still_working=still_working)  # fmt: skip
         except StageTimeout as timeout:
             for rank in timeout.ranks:  # a hung rank would also hang the next call: end it
                 ray.kill(self._workers[rank], no_restart=True)
             raise
+        slowest = self.__dict__.setdefault("_slowest_s", {})  # seconds per row (per call without rows), this process
+        slowest[method_name] = max(slowest.get(method_name, 0.0), (time.monotonic() - started) / max(rows, 1))
+        return outputs
 
     def _execute_per_rank(
         self,
