@@ -17,6 +17,21 @@ from typing import Callable
 import psutil
 
 
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """``count`` processes that burn CPU until the block ends (another job on the machine)."""
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def busy_worker(title: str) -> psutil.Process | None:
     """The process under this one whose title starts with ``title`` (e.g. ``ray::ActorRolloutRefWorker.update_actor``):
     this test's Ray runs under this process, another test's (`make test` runs two at once) does not."""

@@ -125,7 +125,7 @@ def get_with_rank(
     workers: Sequence[WorkerProcess | None] | None = None,
     timeout_s: float | None = None,
     grace_s: float = 2.0,
-    still_working: Callable[[list[int]], bool] | None = None,
+    still_working: Callable[[list[int], Callable[[float], None]], bool] | None = None,
     max_windows: int = 10,
 ) -> list:
     """``ray.get(refs)`` in rank order, failing fast and naming who failed.
@@ -133,8 +133,8 @@ def get_with_rank(
     Raises ``WorkerError`` as soon as one rank fails; when several fail within ``grace_s`` of the first (a dead
     peer makes the others' collectives fail too), a rank whose process died is named over one that raised.
     Raises ``StageTimeout`` for the ranks still running after ``timeout_s`` (the caller kills them), unless
-    ``still_working(those ranks)`` says they are slow, not hung: then they get another ``timeout_s``, up to
-    ``max_windows`` in all.
+    ``still_working(those ranks, pause)`` says they are slow, not hung: then they get another ``timeout_s``, up to
+    ``max_windows`` in all (``pause(seconds)`` waits that long, or until every late rank has answered).
     """
     import ray
 
@@ -146,23 +146,36 @@ def get_with_rank(
     pending = list(refs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     windows = 1
-    while pending:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-        if not done:
-            late = [ranks[index[ref]] for ref in pending]
-            if errors or still_working is None or windows >= max_windows or not still_working(late):
-                break
-            windows += 1
-            deadline = time.monotonic() + timeout_s
-            continue
-        i = index[done[0]]
+
+    def take(ref) -> None:
+        nonlocal deadline
+        i = index[ref]
         try:
-            outputs[i] = ray.get(done[0])
+            outputs[i] = ray.get(ref)
         except failures as error:
             errors[i] = error
             if len(errors) == 1:  # from now on wait only grace_s for the others
                 deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
+
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if done:
+            take(done[0])
+            continue
+        late, waiting = [ranks[index[ref]] for ref in pending], list(pending)
+
+        def pause(seconds: float) -> None:
+            ray.wait(waiting, num_returns=len(waiting), timeout=seconds)
+
+        working = not errors and still_working is not None and windows < max_windows and still_working(late, pause)
+        finished, pending = ray.wait(pending, num_returns=len(pending), timeout=0)  # done while it was watched
+        for ref in finished:
+            take(ref)
+        if not pending or not working:
+            break
+        windows += 1
+        deadline = time.monotonic() + timeout_s
     if errors:
         died = [i for i, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
         i = min(died) if died else min(errors)

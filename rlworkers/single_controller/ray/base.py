@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import copy
 import inspect
+import math
 import time
 import uuid
 from typing import Any, Callable
@@ -163,6 +164,8 @@ def _rows(args: tuple, kwargs: dict) -> int:
 
 
 SLOWEST_FACTOR = 3.0  # a call's time limit is at least this many times its method's slowest earlier call (per row)
+# a call whose ranks keep working past its limit gets more windows of it: 10, or as many as make 10 minutes
+MAX_WINDOWS, MIN_PATIENCE_S = 10, 600.0
 PROTECTED_ENV = (
     "WORLD_SIZE",
     "RANK",
@@ -377,12 +380,13 @@ class RayWorkerGroup(WorkerGroup):
         timeout_s, started = self.call_time_limit(method_name, rows), time.monotonic()
         workers = [self._worker_processes[r] for r in ranks]
 
-        def still_working(late: list[int]) -> bool:
-            return progress.still_working(method_name, [self._worker_processes[r] for r in late])
+        def still_working(late: list[int], pause) -> bool:
+            return progress.still_working(method_name, [self._worker_processes[r] for r in late], pause)
 
         try:
+            windows = MAX_WINDOWS if not timeout_s else max(MAX_WINDOWS, math.ceil(MIN_PATIENCE_S / timeout_s))
             outputs = get_with_rank(refs, ranks, method_name, timeout_s=timeout_s, workers=workers,
-                                    still_working=still_working)  # fmt: skip
+                                    still_working=still_working, max_windows=windows)  # fmt: skip
         except StageTimeout as timeout:
             for rank in timeout.ranks:  # a hung rank would also hang the next call: end it
                 ray.kill(self._workers[rank], no_restart=True)

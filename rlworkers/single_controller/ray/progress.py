@@ -1,44 +1,71 @@
 """Slow or hung? What a worker-group call that ran past its time limit is doing, told from outside its processes.
 
-A rank that is still working burns CPU time; a hung one does not: a stopped process (SIGSTOP, a debugger), a
-deadlock, a wait for a peer that is gone. So at the limit the ranks still running are watched for ``PROBE_S``: if
-none of them is stopped and one of them used at least ``MIN_CPU_SHARE`` of a core meanwhile, the call is slow (a
-busy machine, a long validation) and gets another window; otherwise it is hung. The CPU time is read where the
-process runs: here with psutil, on another node by a Ray task placed there. Nothing the worker has to report, so it
-holds for every worker class, vLLM's engine and a tool call alike.
+An actor runs its calls in its process's main thread. Working, that thread computes: it is running, or waiting for a
+core on a busy machine (state R), and its CPU time grows as far as it gets a core. Hung, it is stopped (SIGSTOP, a
+debugger), or it sleeps on something that does not come (a deadlock, a peer that is gone: state S or D). So at the
+limit the main threads of the ranks still running are watched for ``PROBE_S``: if none of them is stopped or gone
+and one of them was runnable most of the time or used ``MIN_CPU_S``, the call is slow (a busy machine, a long
+validation) and gets another window; otherwise it is hung. (The process as a whole is no measure: Ray's own threads
+in it keep using a little CPU whatever the call does; and CPU time alone is none on a machine so busy that a working
+thread gets almost no core.) The threads are read where they run: here, or on another node by a Ray task placed
+there. Nothing the worker has to report, so it holds for every worker class, vLLM's engine and a tool call alike.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rlworkers.single_controller.errors import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
 PROBE_S = 5.0  # how long the late ranks are watched
-MIN_CPU_SHARE = 0.05  # of one core, over PROBE_S: a process that gets less than this is not working
+STEP_S = 0.25  # how often their main threads are looked at meanwhile
+MIN_RUNNABLE = 0.5  # share of the looks that found the thread running or waiting for a core
+MIN_CPU_S = 0.05  # or main-thread CPU seconds over PROBE_S
 
 
-def cpu_seconds(pids: Sequence[int]) -> dict[int, tuple[float, bool] | None]:
-    """``{pid: (CPU seconds so far, stopped?)}`` of processes on this node (None: gone)."""
-    import psutil
-
-    found: dict[int, tuple[float, bool] | None] = {}
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            times, status = process.cpu_times(), process.status()
-            found[pid] = (times.user + times.system, status in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE))
-        except psutil.Error:
-            found[pid] = None
-    return found
+def main_thread(pid: int) -> tuple[float, str] | None:
+    """(CPU seconds, state letter) of the main thread of process ``pid`` on this node (Linux /proc; None: gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0]
 
 
-def _sample(processes: Sequence[WorkerProcess]) -> list[tuple[float, bool] | None]:
-    """``cpu_seconds`` of each process, read on its own node."""
+def watch(pids: Sequence[int], seconds: float, pause: Callable[[float], None] = time.sleep) -> dict:
+    """``{pid: (CPU seconds used, share of looks runnable, stopped or gone?)}`` of the main threads of processes on
+    this node over ``seconds`` (``pause``: how to wait between looks; {} when it ended early: the calls answered)."""
+    first = {pid: main_thread(pid) for pid in pids}
+    runnable = dict.fromkeys(pids, 0)
+    looks, started = 0, time.monotonic()
+    while time.monotonic() - started < seconds:
+        before = time.monotonic()
+        pause(STEP_S)
+        if time.monotonic() - before < STEP_S * 0.9:
+            return {}
+        looks += 1
+        for pid in pids:
+            seen = main_thread(pid)
+            runnable[pid] += bool(seen and seen[1] == "R")
+    last = {pid: main_thread(pid) for pid in pids}
+    return {
+        pid: (
+            last[pid][0] - first[pid][0] if first[pid] and last[pid] else 0.0,
+            runnable[pid] / max(looks, 1),
+            not first[pid] or not last[pid] or last[pid][1] in "TtZX",
+        )
+        for pid in pids
+    }
+
+
+def _watch_all(processes: Sequence[WorkerProcess], pause: Callable[[float], None]) -> dict | None:
+    """``watch`` of every process on its own node, keyed by (node, pid); None when the calls answered meanwhile."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -46,43 +73,47 @@ def _sample(processes: Sequence[WorkerProcess]) -> list[tuple[float, bool] | Non
     by_node: dict[str, list[int]] = {}
     for process in processes:
         by_node.setdefault(process.node_id, []).append(process.pid)
-    found: dict[tuple[str, int], tuple[float, bool] | None] = {}
     remote = {
-        node: ray.remote(cpu_seconds)
+        node: ray.remote(watch)
         .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-        .remote(pids)
+        .remote(pids, PROBE_S)
         for node, pids in by_node.items()
         if node != here
     }
-    for node, pids in by_node.items():
-        if node == here:
-            found.update({(node, pid): value for pid, value in cpu_seconds(pids).items()})
+    found = {}
+    if here in by_node:
+        local = watch(by_node[here], PROBE_S, pause)
+        if not local:
+            return None
+        found.update({(here, pid): value for pid, value in local.items()})
     for node, ref in remote.items():
         try:
-            found.update({(node, pid): value for pid, value in ray.get(ref, timeout=30).items()})
+            found.update({(node, pid): value for pid, value in ray.get(ref, timeout=PROBE_S + 30).items()})
         except Exception:  # the node does not answer: its processes count as gone
-            found.update({(node, pid): None for pid in by_node[node]})
-    return [found[(p.node_id, p.pid)] for p in processes]
+            found.update({(node, pid): (0.0, 0.0, True) for pid in by_node[node]})
+    return found
 
 
-def still_working(method: str, processes: Sequence[WorkerProcess | None]) -> bool:
-    """Whether the late ranks of ``method`` (their ``processes``) are working: none stopped or gone, and one of
-    them used at least ``MIN_CPU_SHARE`` of a core over ``PROBE_S``. Takes ``PROBE_S``."""
+def still_working(
+    method: str, processes: Sequence[WorkerProcess | None], pause: Callable[[float], None] = time.sleep
+) -> bool:
+    """Whether the late ranks of ``method`` (their ``processes``) are working: none stopped or gone, and the main
+    thread of one of them runnable most of the time or using ``MIN_CPU_S`` over ``PROBE_S`` (``pause``: the caller's
+    wait, which ends sooner when the ranks answer meanwhile). Takes ``PROBE_S``."""
     if not processes or any(p is None for p in processes):
         return False  # a group built from handles knows no processes: the time limit alone decides
-    before = _sample(processes)
-    time.sleep(PROBE_S)
-    after = _sample(processes)
-    if any(s is None or s[1] for s in before + after):
-        return False
-    used = max(b[0] - a[0] for a, b in zip(before, after))
-    working = used >= MIN_CPU_SHARE * PROBE_S
+    found = _watch_all(processes, pause)
+    if found is None:
+        return True  # they answered meanwhile
+    seen = [found[(p.node_id, p.pid)] for p in processes]
+    working = not any(stopped for _, _, stopped in seen) and any(
+        cpu >= MIN_CPU_S or share >= MIN_RUNNABLE for cpu, share, _ in seen
+    )
     logger.warning(
-        "%r past its time limit on %d rank(s), which %s (%.1f s of CPU in %.0f s)",
+        "%r past its time limit on %d rank(s), which %s (main threads: %s)",
         method,
         len(processes),
         "are working: waiting another window" if working else "are not working: hung",
-        used,
-        PROBE_S,
+        ", ".join(f"{cpu:.2f} s of CPU, runnable {share:.0%}{', stopped' if s else ''}" for cpu, share, s in seen),
     )
     return working
