@@ -55,7 +55,6 @@ def lineage_config(env, lineage: str, reward: str, *extra: str):
             "actor.ppo_mini_batch_size=16",
             "actor.ppo_micro_batch_size_per_gpu=8",
             "trainer.log_samples=0",
-            "trainer.n_workers=1",  # one actor process fewer per run: a lineage is the same with one
             f"reward.reward_fn={env['rewards'] / reward}.py:score",
             *extra,
         ],
