@@ -447,7 +447,9 @@ class RayWorkerGroup(WorkerGroup):
     def __getstate__(self) -> dict:
         # Bound methods are closures over this group; send handles and bindings, rebind on arrival. This is what
         # lets a group travel as an argument to a Prefect task running in another Ray process.
-        return {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v)}
+        # _slowest_s is this process's record of its own calls (call_time_limit): kept out, so that a group's bytes
+        # do not change with every call and a receiving process keeps its unpickled copy (group_transport)
+        return {k: v for k, v in self.__dict__.items() if not inspect.isfunction(v) and k != "_slowest_s"}
 
     def __reduce__(self):  # see group_transport: cached per process, or through Ray Client's pickler
         return reduce_group(self)
