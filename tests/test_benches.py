@@ -5,8 +5,10 @@ it fails here rather than for the next person who measures (bench/overhead.py on
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,41 @@ def test_precision_bench_prints_both_times_the_ratio_and_the_cpu():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "CPU: torch " in done.stdout and "model.autocast=auto here: " in done.stdout, done.stdout
     assert "bf16 autocast / float32: " in done.stdout, done.stdout
+
+
+BURN_3_CPU_S = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 3: pass"
+
+
+def test_cpu_by_process_counts_what_the_command_started_and_passes_its_exit_status_on():
+    """What CI wraps `make test` in: the CPU of the command's own children is counted by kind, its exit status is
+    the script's, and a SIGTERM (CI's time limit) is passed on to the command and still prints the table."""
+    root = Path(__file__).resolve().parents[1]
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN_3_CPU_S!r}]); sys.exit(3)"
+    done = subprocess.run(
+        [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", sys.executable, "-c", child],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    burned = next(line for line in done.stdout.splitlines() if line.endswith("other Python"))
+    assert float(burned.split()[0]) >= 0.05, done.stdout  # >= 3 CPU-s, in CPU-minutes
+
+    stopped = subprocess.Popen(
+        [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", "sleep", "60"],
+        cwd=root, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(3)
+    stopped.terminate()
+    output, _ = stopped.communicate(timeout=60)
+    assert stopped.returncode == 128 + signal.SIGTERM and "CPU by kind of process" in output, output
+
+
+def test_cpu_by_process_tells_rlflow_s_processes_apart():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from cpu_by_process import kind
+
+    assert kind("ray::TaskHost", "ray::TaskHost") == "task host and other Ray tasks"
+    assert kind("ray::ActorRolloutRefWorker.generate_sequences", "ray::ActorRollo") == "Ray worker actors (rlworkers)"
+    assert kind("ray::IDLE", "ray::IDLE") is None  # not yet known: asked again at the next sample
+    assert kind("/x/.venv/bin/python -m flows.cli train grpo --config demo", "python") == "rlflow CLI (controller)"
+    assert kind("/x/.venv/bin/python -m prefect server start --host 127.0.0.1", "python") == "Prefect server"
+    assert kind("/x/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray", "gcs_server") == "Ray's own processes"

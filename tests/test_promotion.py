@@ -50,7 +50,7 @@ def job(services, tmp_path_factory):
     runs = folder / "runs"
     rlflow(
         "train", "sft", "--config", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm",
-        "trainer.test_freq=0", "trainer.save_freq=0", "trainer.log_model=false",
+        "trainer.test_freq=0", "trainer.save_freq=0", "trainer.log_model=false", "trainer.n_workers=1",
     )  # fmt: skip
     return {
         "folder": folder,
@@ -64,7 +64,8 @@ def lineage_run(job, *overrides: str, background: bool = False):
     args = [
         "train", "grpo", "--config", "demo", f"model.path={job['model']}", f"trainer.runs_dir={job['runs']}",
         f"trainer.lineage={job['lineage']}", "trainer.run_name=null", "trainer.total_steps=6", "trainer.test_freq=0",
-        "trainer.save_freq=0", "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]", *overrides,
+        "trainer.save_freq=0", "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]",
+        "trainer.n_workers=1", *overrides,
     ]  # fmt: skip
     return rlflow_in_background(*args) if background else rlflow(*args)
 

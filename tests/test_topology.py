@@ -124,16 +124,18 @@ def test_a_postgresql_server_that_refuses_is_named_with_the_fix(postgres):
 
 @pytest.mark.timeout(1200)  # its load makes its runs slow by design; 600 s ran out on an AVX2-only CPU
 def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_services, tmp_path):
-    """bench/restarts_under_load.py, bounded: 3 lineage runs on 2 deployments served by a plain
-    `prefect worker start` (no rlflow restart loop), 2 of them SIGKILLed in their first attempt while API clients
-    keep the PostgreSQL-backed server busy. Every killed run is restarted by the automation and completes; no run is
-    left Crashed or Running, and the server dead-letters no event."""
+    """bench/restarts_under_load.py, bounded: 2 lineage runs on 2 deployments served by a plain
+    `prefect worker start` (no rlflow restart loop) at once, one of them SIGKILLed in its first attempt while an API
+    client keeps the PostgreSQL-backed server busy. The killed run is restarted by the automation and completes; no
+    run is left Crashed or Running, and the server dead-letters no event. (The bench's defaults, 20 runs with 8 kills,
+    are the measurement in docs/; here the suite's CPU is shared, so the smallest case that still overlaps a restart
+    with another run and with API traffic.)"""
     servers = {key: team_services[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     out = tmp_path / "restarts.json"
     server_log = Path(team_services["env_file"]).parent / "logs" / "prefect.log"
     done = subprocess.run(
-        [sys.executable, "bench/restarts_under_load.py", "--runs", "3", "--deployments", "2", "--kills", "2",
-         "--limit", "2", "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log),
+        [sys.executable, "bench/restarts_under_load.py", "--runs", "2", "--deployments", "2", "--kills", "1",
+         "--limit", "2", "--load-threads", "1", "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log),
          "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], env={**os.environ, **servers, "PREFECT_WORKER_QUERY_SECONDS": "2"},
         capture_output=True, text=True,
@@ -142,7 +144,7 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     summary, runs = result["summary"], result["runs"]
-    assert summary["completed"] == 3 and summary["not_final"] == 0, runs
-    assert summary["killed"] == 2 and summary["killed_then_completed"] == 2, runs
+    assert summary["completed"] == 2 and summary["not_final"] == 0, runs
+    assert summary["killed"] == 1 and summary["killed_then_completed"] == 1, runs
     assert summary["crashes_never_restarted"] == 0 and summary["dead_letters_in_server_log"] == 0, summary
     assert all(row["restarted_by"] == ["automation"] for row in runs if row["killed"]), runs
