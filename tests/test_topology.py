@@ -135,8 +135,8 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
     server_log = Path(team_services["env_file"]).parent / "logs" / "prefect.log"
     done = subprocess.run(
         [sys.executable, "bench/restarts_under_load.py", "--runs", "2", "--deployments", "2", "--kills", "1",
-         "--limit", "2", "--load-threads", "1", "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log),
-         "--out", str(out)],
+         "--limit", "2", "--load-threads", "1", "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"),
+         "--server-log", str(server_log), "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], env={**os.environ, **servers, "PREFECT_WORKER_QUERY_SECONDS": "2"},
         capture_output=True, text=True,
         timeout=1200,
