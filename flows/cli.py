@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.launch import ALGORITHMS, get_flow, run_training
-from flows.preflight import require_mlflow_tracking, require_prefect_api, use_running_services
+from flows.preflight import require_mlflow_tracking, require_prefect_api, server_failure_message, use_running_services
 from flows.services import (
     LOCAL_HOSTS,
     MLFLOW_TRACKING_URI,
@@ -32,7 +32,24 @@ from flows.services import (
     stop_services,
 )
 
-app = typer.Typer(
+
+class _Commands(typer.Typer):
+    """The command line: a Prefect or MLflow request that still fails after its client's retries ends the command
+    with one line naming the server, its URL and the request (flows.preflight.server_failure_message), exit
+    status 3, instead of a traceback through httpx or requests."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as error:
+            message = server_failure_message(error)
+            if message is None:
+                raise
+            console.print(f"[red]{message}[/red]")
+            raise SystemExit(3) from None
+
+
+app = _Commands(
     help="RL post-training of language models as Prefect flows over Ray worker groups.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,

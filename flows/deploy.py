@@ -25,12 +25,14 @@ event goes to the server's dead-letter queue), which left a crashed run Crashed 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from flows.lineage import RESTART_STATE_NAME
+from flows.preflight import ServerFailure, name_the_server
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_DIR / "deployments" / "prefect.yaml"
@@ -161,5 +163,10 @@ def _prefect(*args: str) -> str:
         [sys.executable, "-m", "prefect", *args], cwd=PROJECT_DIR, env=env, capture_output=True, text=True
     )
     if result.returncode != 0:
-        raise RuntimeError(f"`prefect {' '.join(args)}` failed:\n{result.stdout}{result.stderr}")
+        output = result.stdout + result.stderr
+        failed = re.search(r"(?:Server|Client) error '([^']+)' for url '([^']+)'", output)
+        if failed:  # the API server still failed after the client's retries: say which one, without the traceback
+            status, url = failed.groups()
+            raise ServerFailure(name_the_server(url, f"answered {status} to `prefect {' '.join(args[:3])}`"))
+        raise RuntimeError(f"`prefect {' '.join(args)}` failed:\n{output}")
     return result.stdout

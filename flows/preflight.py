@@ -161,3 +161,60 @@ def _require_mlflow_credentials(uri: str) -> None:
             + ". Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (for `rlflow server up --auth`: export "
             f"{SERVER_AUTH}=user:password, then {_fix_hint()})."
         )
+
+
+class ServerFailure(Exception):
+    """A request to a server that failed after its client's retries, said in one line (``server_failure_message``)."""
+
+
+def server_failure_message(error: BaseException) -> str | None:
+    """One line for a Prefect or MLflow request that still failed after its client's own retries (Prefect's: 429,
+    502, 503 and connection errors, ``PREFECT_CLIENT_MAX_RETRIES`` times with backoff; MLflow's: 429 and 5xx,
+    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` times with backoff), naming the server, its URL and the request; None when
+    ``error`` (or what caused it) is not such a failure."""
+    import httpx
+    import requests
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        url, what = None, None
+        if isinstance(error, ServerFailure):
+            return str(error)
+        if isinstance(error, httpx.HTTPStatusError):
+            url, what = str(error.request.url), f"answered {error.response.status_code} {error.response.reason_phrase}"
+            what = f"{what} to {error.request.method} {error.request.url.path}"
+        elif isinstance(error, httpx.TransportError):
+            with contextlib.suppress(RuntimeError):  # an error raised before its request was built has none
+                url = str(error.request.url)
+                what = f"did not answer {error.request.method} {error.request.url.path} ({type(error).__name__})"
+        elif isinstance(error, requests.RequestException) and error.request is not None:
+            url = error.request.url
+            what = f"did not answer {error.request.method} {urllib.parse.urlsplit(url).path} ({error})"
+        if url:
+            return name_the_server(url, what)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def name_the_server(url: str, what: str) -> str:
+    """The line for a request to ``url`` that failed as ``what`` says, after its client's retries."""
+    from prefect.settings import get_current_settings
+
+    prefect_url = (get_current_settings().api.url or "").rstrip("/")
+    mlflow_url = os.environ.get(MLFLOW_TRACKING_URI, "").rstrip("/")
+    if prefect_url and url.startswith(prefect_url):
+        server = f"The Prefect API server at {prefect_url}"
+        retries = f"PREFECT_CLIENT_MAX_RETRIES={get_current_settings().client.max_retries}"
+    elif mlflow_url and url.startswith(mlflow_url):
+        from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES
+
+        server = f"The MLflow tracking server at {mlflow_url}"
+        retries = f"MLFLOW_HTTP_REQUEST_MAX_RETRIES={MLFLOW_HTTP_REQUEST_MAX_RETRIES.get()}"
+    else:
+        parts = urllib.parse.urlsplit(url)
+        server, retries = f"The server at {parts.scheme}://{parts.netloc}", "its client's retries"
+    return (
+        f"{server} {what}, also when tried again ({retries}). `rlflow server status` shows whether it runs; run "
+        "the command again once it answers (a training run resumes from its last checkpoint)."
+    )

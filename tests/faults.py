@@ -130,6 +130,7 @@ class TcpProxy(threading.Thread):
         self.target_port = target_port
         self._trigger: tuple[bytes, int] | None = None
         self._action: Callable[[], None] | bytes | None = None
+        self._every = False  # answer_at(every=True): the trigger stays armed
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         self.port = self.listener.getsockname()[1]
@@ -181,20 +182,24 @@ class TcpProxy(threading.Thread):
 
     def cut_at(self, marker: bytes, nth: int = 1) -> None:
         with self._lock:
-            self._trigger, self._action = (marker, nth), None
+            self._trigger, self._action, self._every = (marker, nth), None, False
 
     def act_at(self, marker: bytes, action: Callable[[], None], nth: int = 1) -> None:
         with self._lock:
-            self._trigger, self._action = (marker, nth), action
+            self._trigger, self._action, self._every = (marker, nth), action, False
 
-    def answer_at(self, marker: bytes, status: int = 503, reason: str = "Service Unavailable", nth: int = 1) -> None:
+    def answer_at(
+        self, marker: bytes, status: int = 503, reason: str = "Service Unavailable", nth: int = 1, every: bool = False
+    ) -> None:
         """The ``nth`` request containing ``marker`` gets an HTTP error response from the proxy instead of the
         server's, as a loaded server or a gateway in front of it answers now and then (its request line lands in
-        ``answered``); the connection then closes and the next ones are relayed."""
+        ``answered``); the connection then closes and the next ones are relayed. With ``every``, every request
+        containing ``marker`` from the ``nth`` on (a server that stays down for that endpoint)."""
         body = f"{status} {reason}".encode()
         head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
         with self._lock:
             self._trigger, self._action = (marker, nth), (head + "Connection: close\r\n\r\n").encode() + body
+            self._every = every
 
     def _triggered(self, data: bytes) -> tuple[bool, Callable[[], None] | bytes | None]:
         """Whether ``data`` is the request the trigger waits for, and the action to take (None: cut)."""
@@ -202,7 +207,8 @@ class TcpProxy(threading.Thread):
             if self._trigger is None or self._trigger[0] not in data:
                 return False, None
             marker, nth = self._trigger
-            self._trigger = None if nth == 1 else (marker, nth - 1)
+            if nth > 1 or not self._every:
+                self._trigger = None if nth == 1 else (marker, nth - 1)
             return nth == 1, self._action
 
     def cut(self) -> None:
