@@ -5,7 +5,7 @@ were. On a machine whose CPUs are busy all the time (the 2-core CI machine under
 is its CPU time over the cores: this table says which cut would shorten it.
 
 The table is printed when the command ends, and also when this script is stopped (SIGTERM / SIGINT, as CI's time
-limit does), after passing the signal on to the command. A process that ends between two samples loses the CPU it
+limit does): at once, then the signal goes on to the command. A process that ends between two samples loses the CPU it
 used since the last one (at most 2 s each).
 
     .venv/bin/python bench/cpu_by_process.py [--every 2] -- make test
@@ -77,8 +77,7 @@ def main() -> int:
     stopped: list[int] = []
 
     def stop(signum, _frame):
-        stopped.append(signum)
-        child.send_signal(signum)
+        stopped.append(signum)  # the loop ends within one sample, prints, then passes the signal on
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -99,13 +98,15 @@ def main() -> int:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     pass
         time.sleep(args.every)
+    print_table(used, machine_before, time.monotonic() - started)  # first: a stop may be followed by SIGKILL
     if stopped:
+        child.send_signal(stopped[0])
         try:
             child.wait(timeout=60)
         except subprocess.TimeoutExpired:
             child.kill()
-    print_table(used, machine_before, time.monotonic() - started)
-    return child.wait() if not stopped else 128 + stopped[0]
+        return 128 + stopped[0]
+    return child.wait()
 
 
 def _alive(process: psutil.Process) -> bool:
