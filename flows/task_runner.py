@@ -60,7 +60,12 @@ actor's constructor, which Ray completes before any method call: a task's argume
 threads, never import a module (transformers' lazy modules above all) while another thread is still importing it
 (a resumed run's first tasks once failed so: "cannot import name 'AutoModelForCausalLM' from 'transformers'").
 
-When the flow run's task runner exits, the host sends the logs and state events it still holds, then is killed.
+When the flow run's task runner exits, the host sends the logs and state events it still holds. A runner that started
+(or connected) Ray itself (``rlflow train``, a deployment run) shuts Ray down and the host with it. In a process whose
+Ray outlives the flow run (a notebook, a sweep, the tests: ``ray.init`` before the flow), an idle host is kept for the
+next flow run of that process with the same Ray job, modules and environment, so that run's tasks do not wait for
+(and the machine does not pay again) a process start and its imports: it forgets the flow run's contexts and task
+runs first, and one with a task still running is killed instead. One host is kept per process at most.
 The host's environment variables are ``host_env()`` (evaluated when it starts) plus the ``runtime_env`` of
 ``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
 
@@ -72,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import pickle
 import signal
@@ -94,6 +100,9 @@ from ray import cloudpickle
 from flows import prefect_internals
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
+# the idle host of this process's last flow run, for its next one (see the module docstring): [(key, actor)] or [None]
+_kept_host: list = [None]
+_kept_host_lock = threading.Lock()
 FINISHED_KEPT = 4096  # task runs the host remembers as finished (a later task reads their results from Ray's store)
 # what serialize_context_once serialized last, replaced as one tuple (submits may come from several threads):
 _last_settings: list = [(None, {})]  # [(SettingsContext, its serialized form)]
@@ -212,6 +221,35 @@ class _Waiters:
         self.payload: bytes | None = None  # None once done: the result is in Ray's store only (or the task raised)
 
 
+def _take_kept_host(key: tuple):
+    """The host kept for ``key`` (see the module docstring), if one is and it still answers; None otherwise."""
+    import ray
+
+    with _kept_host_lock:
+        kept, _kept_host[0] = _kept_host[0], None
+    if kept is None:
+        return None
+    if kept[0] == key:
+        try:
+            ray.get(kept[1].__ray_ready__.remote(), timeout=10)
+            return kept[1]
+        except Exception:  # killed or lost since: a new one is started
+            return None
+    with contextlib.suppress(Exception):  # another job's (its Ray is gone) or other settings: not reused
+        ray.kill(kept[1])
+    return None
+
+
+def _keep_host(key: tuple, host) -> None:
+    import ray
+
+    with _kept_host_lock:
+        previous, _kept_host[0] = _kept_host[0], (key, host)
+    if previous is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(previous[1])
+
+
 class TaskHost:
     """The Ray actor that runs Prefect tasks for one flow run (see the module docstring)."""
 
@@ -226,8 +264,18 @@ class TaskHost:
         self._waiters: dict[Any, _Waiters] = {}  # task run id -> the tasks waiting for its result (point 7)
         self._running: set[Any] = set()  # task runs whose functions have started and not yet handed over
         self._finished: OrderedDict[Any, None] = OrderedDict()  # the latest task runs that handed over (or ended)
+        self._in_flight = 0  # calls of run() not yet returned
         self._lock = threading.Lock()
         _plain_console_logging()
+
+    def release(self) -> bool:
+        """The flow run that used this host has ended: forget its contexts and task runs. Whether the host is idle
+        (no task still running), and so fit for the next flow run of the same process (``WarmRayTaskRunner``)."""
+        with self._lock:
+            self._settings.clear()
+            self._flow_runs.clear()
+            self._finished.clear()
+            return self._in_flight == 0 and not self._running and not self._waiters
 
     def warm_up(self) -> None:
         """Open the Prefect client now, while the flow builds its worker groups, instead of in the first task."""
@@ -243,7 +291,17 @@ class TaskHost:
         APILogWorker.drain_all(timeout=10)
         EventsWorker.drain_all(timeout=10)
 
-    def run(
+    def run(self, *upstream_values: Any, **kwargs: Any) -> Any:
+        """``_run``, counted while in flight (``release``)."""
+        with self._lock:
+            self._in_flight += 1
+        try:
+            return self._run(*upstream_values, **kwargs)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _run(
         self,
         *upstream_values: Any,
         upstream_refs: list,
@@ -546,6 +604,7 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
         self.host_env = host_env
         self.preload = tuple(preload)
         self._host = None
+        self._host_key: tuple | None = None  # see _kept_host
         self._host_token = uuid4().hex  # on this runner's futures: their tasks run in its host (see HandOff)
         self._host_lock = threading.Lock()
         self._by_reference: dict[str, tuple[dict, tuple[str, list]]] = {}  # what -> (its form, its reference)
@@ -596,17 +655,21 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
                 if self.host_env:
                     env_vars = {**self.host_env(), **runtime_env.get("env_vars", {})}
                     runtime_env = {**runtime_env, "env_vars": env_vars}
-                here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-                self._host = (
-                    ray.remote(TaskHost)
-                    .options(
-                        num_cpus=0,
-                        max_concurrency=HOST_THREADS,
-                        scheduling_strategy=here,
-                        **({"runtime_env": runtime_env} if runtime_env else {}),
+                node = ray.get_runtime_context().get_node_id()
+                job = ray.get_runtime_context().get_job_id()
+                self._host_key = (job, node, self.preload, json.dumps(runtime_env, sort_keys=True, default=str))
+                self._host = _take_kept_host(self._host_key)
+                if self._host is None:
+                    self._host = (
+                        ray.remote(TaskHost)
+                        .options(
+                            num_cpus=0,
+                            max_concurrency=HOST_THREADS,
+                            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                            **({"runtime_env": runtime_env} if runtime_env else {}),
+                        )
+                        .remote(self.preload)
                     )
-                    .remote(self.preload)
-                )
                 self._host.warm_up.remote()  # not waited for: runs while the flow builds its groups
             return self._host
 
@@ -696,11 +759,16 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
         import ray
 
         if self._host is not None:
+            idle = False
             try:
                 ray.get(self._host.drain.remote(), timeout=30)
+                idle = not self._owns_ray and ray.get(self._host.release.remote(), timeout=30)
             except Exception as error:  # a dead host has nothing left to send
                 self.logger.warning("the task host could not send its last logs and events: %s", error)
-            ray.kill(self._host)
+            if idle:
+                _keep_host(self._host_key, self._host)
+            else:
+                ray.kill(self._host)
             self._host = None
         if self._owns_ray:
             self.logger.debug("Shutting down Ray")

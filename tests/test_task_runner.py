@@ -114,7 +114,18 @@ def hand_over(path: str) -> str:
     return use.submit(make.submit(path)).result()  # as an RL stage gets the batch of the stage before it
 
 
-def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_cluster):
+@task(name="sleep", **STAGE)
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@flow(name="warm-runner-leaves-a-task-running", persist_result=False)
+def leave_a_task_running() -> int:
+    sleep.submit(60)  # never waited for: still running in the host when the flow run ends
+    return where.submit([], 0).result()[0]
+
+
+def test_tasks_run_in_one_actor_that_the_next_flow_run_of_the_process_reuses(services, ray_cluster):
     state = chained.with_options(task_runner=WarmRayTaskRunner())(steps=4, return_state=True)
     pids = state.result()
     assert len(set(pids)) == 1, pids  # one process for every task: the runner's actor, reused
@@ -126,11 +137,20 @@ def test_tasks_run_in_one_reused_actor_that_ends_with_the_flow(services, ray_clu
     for before, after in zip(runs, runs[1:]):  # the run graph's edges: each task's input is the previous task's result
         assert [i.id for i in after.task_inputs["previous"]] == [before.id], after.task_inputs
         assert not after.task_inputs.get("__parents__"), after.task_inputs  # an input, not a parent task run
-    gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30) if psutil.pid_exists(pids[0]) else ([1], [])
-    assert gone, "the task host outlived its flow run"
 
+    # this process's Ray outlives the flow run (ray_cluster), so the idle host is kept for the next flow run here
     again = chained.with_options(task_runner=WarmRayTaskRunner())(steps=2)
-    assert len(set(again)) == 1 and again[0] != pids[0]  # a new flow run gets its own host
+    assert set(again) == {pids[0]}, (again, pids)
+    elsewhere = chained.with_options(task_runner=WarmRayTaskRunner(preload=("json",)))(steps=1)
+    assert elsewhere[0] != pids[0]  # other modules (or environment): another host, and the kept one ends
+    gone, _ = psutil.wait_procs([psutil.Process(pids[0])], timeout=30) if psutil.pid_exists(pids[0]) else ([1], [])
+    assert gone, "a host kept for other settings outlived the next flow run"
+
+    # a host with a task still running when its flow run ends is not kept: it ends, and the next run gets a new one
+    busy = leave_a_task_running.with_options(task_runner=WarmRayTaskRunner())()
+    gone, _ = psutil.wait_procs([psutil.Process(busy)], timeout=30) if psutil.pid_exists(busy) else ([1], [])
+    assert gone, "a host with a task still running was kept"
+    assert chained.with_options(task_runner=WarmRayTaskRunner())(steps=1)[0] not in (busy, pids[0])
 
 
 def test_tasks_submitted_together_run_together_in_the_host(services, ray_cluster):
