@@ -36,21 +36,21 @@ def test_precision_bench_prints_both_times_the_ratio_and_the_cpu():
     assert "bf16 autocast / float32: " in done.stdout, done.stdout
 
 
-BURN_3_CPU_S = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 3: pass"
+BURN_8_CPU_S = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 8: pass"
 
 
 def test_cpu_by_process_counts_what_the_command_started_and_passes_its_exit_status_on():
     """What CI wraps `make test` in: the CPU of the command's own children is counted by kind, its exit status is
     the script's, and a SIGTERM (CI's time limit) is passed on to the command and still prints the table."""
     root = Path(__file__).resolve().parents[1]
-    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN_3_CPU_S!r}]); sys.exit(3)"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN_8_CPU_S!r}]); sys.exit(3)"
     done = subprocess.run(
         [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", sys.executable, "-c", child],
         cwd=root, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout + done.stderr
     burned = next(line for line in done.stdout.splitlines() if line.endswith("other Python"))
-    assert float(burned.split()[0]) >= 0.05, done.stdout  # >= 3 CPU-s, in CPU-minutes
+    assert float(burned.split()[0]) >= 0.1, done.stdout  # >= 6 of its 8 CPU-s (the last sample may miss 2)
 
     stopped = subprocess.Popen(
         [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", "sleep", "60"],

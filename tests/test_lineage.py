@@ -195,7 +195,7 @@ def test_ui_pages_show_stages_artifacts_metrics_and_versions(services, lineage_r
     run = client.search_runs(
         [client.get_experiment_by_name(lineage).experiment_id], order_by=["attributes.start_time ASC"]
     )[0]
-    with Browser(height=3600) as browser:  # tall enough that MLflow renders every metric section
+    with Browser(height=6000) as browser:  # tall enough that MLflow renders every metric section
         browser.open(f"{services['prefect_ui']}/runs/flow-run/{flow_run_id}", run.info.run_name)
         browser.click("Task Runs")
         text = browser.wait_for_text("sft_step-step-2")

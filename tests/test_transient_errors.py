@@ -17,9 +17,11 @@ pytestmark = pytest.mark.slow
 
 def test_deploy_goes_on_through_a_503(prefect_proxy):
     proxy, env = prefect_proxy
-    proxy.answer_at(b"POST /api/deployments/")
+    # the first request about deployments, whichever it is: creating them (POST), or reading and updating the ones an
+    # earlier deploy on the same server made
+    proxy.answer_at(b" /api/deployments/")
     done = rlflow("deploy", env=env)
-    assert proxy.answered == [b"POST /api/deployments/ HTTP/1.1"], proxy.answered
+    assert len(proxy.answered) == 1 and b" /api/deployments/" in proxy.answered[0], proxy.answered
     assert "rlflow: restart crashed runs" in done.stdout
 
 
