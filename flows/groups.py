@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+import weakref
 
 from flows.config import RLConfig
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -17,6 +19,83 @@ from rlworkers.workers.reward import RewardWorker, RuleReward
 logger = logging.getLogger(__name__)
 
 
+# Worker groups kept between the runs of one process whose Ray outlives them (a notebook, a sweep, the tests): a run
+# that ends lets its groups' workers go (``Worker.end_for_reuse``) but keeps their processes, in their placement; the
+# next run of the process builds its workers in those of the same class, size, resources and environment
+# (``RayWorkerGroup.reinitialize``: seeded and set up exactly as in new processes) instead of starting processes that
+# import torch and transformers again (~9 CPU-seconds each on a 2-core machine). A run that starts its own Ray
+# (``rlflow train``, a deployment run) ends its groups with it. Kept groups that a build does not take are ended then,
+# so they never hold the placement a run needs; ``end_kept_groups()`` ends them at any time.
+_kept_groups: list[tuple[tuple, RayWorkerGroup]] = []
+_keys: weakref.WeakKeyDictionary[RayWorkerGroup, tuple] = weakref.WeakKeyDictionary()  # of reusable groups built
+_kept_groups_lock = threading.Lock()
+
+
+def group_key(cls, n: int, use_gpu: bool, cpus_per_worker: float, env: dict[str, str]) -> tuple:
+    """What a kept group must match to be reused: the Ray job, the worker class, the number of workers, their
+    resources and their environment (a process's environment is set when it starts)."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    return (job, cls.__module__, cls.__qualname__, n, use_gpu, cpus_per_worker, tuple(sorted(env.items())))
+
+
+def take_kept_groups(keys: list[tuple]) -> list[RayWorkerGroup | None]:
+    """For each of ``keys``, a kept group of that key (None if none is kept); every kept group not taken is ended."""
+    with _kept_groups_lock:
+        kept, _kept_groups[:] = list(_kept_groups), []
+    taken = []
+    for key in keys:
+        found = next((i for i, (kept_key, _) in enumerate(kept) if kept_key == key), None)
+        taken.append(None if found is None else kept.pop(found)[1])
+    _end_groups([group for _, group in kept])
+    return taken
+
+
+def keep_group(key: tuple, group: RayWorkerGroup) -> None:
+    """Keep ``group`` for the next run of this process (see ``_kept_groups``), or end it when its workers do not
+    let go."""
+    if group.end_for_reuse():
+        with _kept_groups_lock:
+            _kept_groups.append((key, group))
+    else:
+        _end_groups([group])
+
+
+def end_kept_groups() -> int:
+    """End every kept group (their processes exit and their placement is freed); returns how many there were."""
+    with _kept_groups_lock:
+        kept, _kept_groups[:] = list(_kept_groups), []
+    _end_groups([group for _, group in kept])
+    return len(kept)
+
+
+def _end_groups(groups: list[RayWorkerGroup], wait_s: float = 10.0) -> None:
+    """Kill the groups' actors, free their placement, and wait (up to ``wait_s``) for their processes on this node
+    to exit: whoever ends kept groups expects them gone, not still exiting."""
+    import psutil
+    import ray
+
+    if not groups or not ray.is_initialized():  # a Ray that is gone took them with it
+        return
+    pids = []
+    for group in groups:
+        pids += [process.pid for process in group.worker_processes if process and process.node_ip == _node_ip()]
+        with contextlib.suppress(Exception):  # a Ray that is gone took them with it
+            release_group(group)
+    processes = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(psutil.Process(pid))
+    psutil.wait_procs(processes, timeout=wait_s)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def build_group(
     cls,
     n: int,
@@ -25,15 +104,32 @@ def build_group(
     cpus_per_worker: float = 1.0,
     timeout: tuple[float, float] | None = None,
     env: dict[str, str] | None = None,
+    reusable: bool = True,
+    kept: RayWorkerGroup | None = None,
     **init_kwargs,
 ) -> RayWorkerGroup:
-    pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
+    """A group of ``n`` workers of ``cls`` built with ``init_kwargs``, set up (``init_model``): in the processes of
+    ``kept`` when one is given (a kept group of its key: ``take_kept_groups``), else in new ones. ``reusable``:
+    whether ``release_group(group, keep=True)`` may keep its processes for another run (not a vLLM engine's: its
+    engine does not let go of everything it started)."""
     worker_cls = RayClassWithInitArgs(cls=cls, **init_kwargs)
-    if env := {**storage_env(), **(env or {})}:  # storage: workers write checkpoints straight to the store
+    env = {**storage_env(), **(env or {})}  # storage: workers write checkpoints straight to the store
+    if env:
         worker_cls.update_options({"runtime_env": {"env_vars": env}})
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls)
-    if timeout:
-        group.set_call_timeout(*timeout)
+    group = None
+    if kept is not None:
+        try:
+            kept.reinitialize(worker_cls)
+            group = kept
+        except Exception as error:  # a kept process that died or fails: new ones, as if none was kept
+            logger.warning("a kept %s group could not be reused (%s): starting new workers", cls.__name__, error)
+            _end_groups([kept])
+    if group is None:
+        pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
+        group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls)
+    if reusable:
+        _keys[group] = group_key(cls, n, use_gpu, cpus_per_worker, env)
+    group.set_call_timeout(*(timeout or (None, 0.0)))
     group.init_model()
     return group
 
@@ -45,8 +141,13 @@ def sharded_on_cpu_env(strategy: str, device: str) -> dict[str, str]:
     return {"MALLOC_MMAP_THRESHOLD_": "131072"} if strategy == "fsdp2" and device == "cpu" else {}
 
 
-def release_group(group: RayWorkerGroup) -> None:
-    """End a group's actors and give its placement back."""
+def release_group(group: RayWorkerGroup, keep: bool = False) -> None:
+    """End a group's actors and give its placement back; or, with ``keep`` (a process whose Ray outlives the run)
+    and a group ``build_group`` made reusable, keep its processes for the next run of this process."""
+    key = _keys.pop(group, None)
+    if keep and key is not None:
+        keep_group(key, group)
+        return
     group.shutdown()
     if group.resource_pool is not None:
         group.resource_pool.remove()
@@ -72,6 +173,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
                 "config": worker_config,
                 "role": "actor_rollout_ref" if colocate_ref else "actor_rollout",
                 "env": sharded_on_cpu_env(config.actor.strategy, trainer.device),
+                "reusable": config.rollout.name != "vllm",
             },
         ),
         "ref": (ActorRolloutRefWorker, 1, {"use_gpu": use_gpu, "config": worker_config, "role": "ref"}),
@@ -95,9 +197,13 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
     rule_reward = RuleReward(config.reward, model_path).load() if in_stage else None
     no_group_of_its_own = {"ref": colocate_ref, "reward": rule_reward is not None}
     wanted = [role for role in plans if role in roles and not no_group_of_its_own.get(role)]
+    keys = [plan_key(*plans[role]) for role in wanted]
+    kept = dict(zip(wanted, take_kept_groups(keys)))  # the last run's groups of this process, where they fit
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {
-            role: pool.submit(build_group, plans[role][0], plans[role][1], timeout=timeout, **plans[role][2])
+            role: pool.submit(
+                build_group, plans[role][0], plans[role][1], timeout=timeout, kept=kept[role], **plans[role][2]
+            )
             for role in wanted
         }
     groups, errors = {}, []
@@ -118,6 +224,12 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
     return groups
 
 
+def plan_key(cls, n: int, options: dict) -> tuple:
+    """``group_key`` of the group ``build_group(cls, n, **options)`` builds."""
+    env = {**storage_env(), **(options.get("env") or {})}
+    return group_key(cls, n, options["use_gpu"], options.get("cpus_per_worker", 1.0), env)
+
+
 def reward_worker_options(config: RLConfig, model_path: str) -> dict:
     """The reward group's options: a reward model runs on the run's device (a GPU each worker, as the critic's), a
     rule on CPU. Its workers get the policy's tokenizer, which decodes the batch, and the data's prompt column, where
@@ -131,6 +243,18 @@ def reward_worker_options(config: RLConfig, model_path: str) -> dict:
         "tokenizer_path": model_path,
         "prompt_key": config.data.prompt_key,
     }
+
+
+def ray_outlives_the_run() -> bool:
+    """Whether the Ray of this process outlives the flow run it is in (the run's task runner did not start it):
+    then the run's worker groups are kept for the next run (``release_group(..., keep=True)``)."""
+    from prefect.context import FlowRunContext
+
+    from flows.task_runner import WarmRayTaskRunner
+
+    context = FlowRunContext.get()
+    runner = context.task_runner if context else None
+    return isinstance(runner, WarmRayTaskRunner) and not runner.owns_ray
 
 
 def flow_task_runner():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from flows import evaluation, lineage, stages
-from flows.groups import build_group, release_group
+from flows.groups import build_group, plan_key, ray_outlives_the_run, release_group, take_kept_groups
 from rlworkers.agents.trajectory import trajectory_text
 from rlworkers.data.batching import decode_responses
 from rlworkers.data.chat import conversation_as_prompt
@@ -127,22 +127,24 @@ def evaluate_model(run, uri: str, eval_set, label: str) -> evaluation.EvalResult
     if eval_set.scorer is None and run.config.reward.reward_model is not None:
         raise ValueError(f"{eval_set.name!r} is scored by a reward model: give eval.sets a rule scorer")
     folder = lineage.download_model(uri, run.tracker.client, lineage.cache_root(run.config))
-    run.release_workers()
+    keep = ray_outlives_the_run()
+    run.release_workers(keep=keep)
     trainer, worker_config = run.config.trainer, run.config.worker_config()
     model = worker_config.model.model_copy(update={"path": folder})
     actor = worker_config.actor.model_copy(update={"lora": type(worker_config.actor.lora)()})  # loads merged
-    group = build_group(
-        ActorRolloutRefWorker,
-        trainer.n_workers,
-        use_gpu=trainer.device == "cuda",
-        timeout=(trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample),
-        config=worker_config.model_copy(update={"model": model, "actor": actor}),
-        role="rollout",
-    )
+    options = {
+        "use_gpu": trainer.device == "cuda",
+        "reusable": run.config.rollout.name != "vllm",
+        "config": worker_config.model_copy(update={"model": model, "actor": actor}),
+        "role": "rollout",
+    }
+    (kept,) = take_kept_groups([plan_key(ActorRolloutRefWorker, trainer.n_workers, options)])
+    timeout = (trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample)
+    group = build_group(ActorRolloutRefWorker, trainer.n_workers, timeout=timeout, kept=kept, **options)
     try:
         out = generate_for_eval(run, group, eval_set, step)
     finally:
-        release_group(group)
+        release_group(group, keep=keep)
     return record_results(run, eval_set, label, step, out, decode_responses(out, run.tokenizer), model=uri)
 
 

@@ -20,7 +20,7 @@ from prefect import get_run_logger
 
 from flows import evaluation, lineage, run_checkpoints, run_evaluation, startup
 from flows.config import RLConfig
-from flows.groups import release_group
+from flows.groups import ray_outlives_the_run, release_group
 from flows.recovery import recover
 from flows.rows import chat_template_kwargs
 from flows.run_publish import publish
@@ -286,15 +286,16 @@ class Run:
             self.terminal.stop()
         if self.progress:
             self.progress.close()
-        self.release_workers()
+        self.release_workers(keep=ray_outlives_the_run())
         self.tracker.finish(status)
         self.lock.close()  # the next run of the lineage may start: this one has published and closed
         startup.run_ended()
 
-    def release_workers(self) -> None:
-        """Shut every worker group down and give its placement back (at the end, or before a long pause)."""
+    def release_workers(self, keep: bool = False) -> None:
+        """Shut every worker group down and give its placement back (at the end, or before a long pause); with
+        ``keep``, keep their processes for the next run of this process (``flows.groups.release_group``)."""
         for group in self.distinct_groups().values():
-            release_group(group)
+            release_group(group, keep=keep)
         self.groups = {}
 
 

@@ -625,6 +625,11 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
         prefect_internals.check()  # here, not deep inside a training run, when Prefect is not the version read
         return super().__enter__()  # Ray starts later: see start_ray
 
+    @property
+    def owns_ray(self) -> bool:
+        """Whether this runner started (or connected) Ray, and so shuts it down when the flow run ends."""
+        return self._owns_ray
+
     def start_ray(self, address: str | None, init_kwargs: dict[str, Any]) -> None:
         """Connect to the Ray cluster at ``address`` (None: start a local Ray; ``init_kwargs`` go to ``ray.init``)
         unless this process already is, then start the task host (its process starts while the flow builds its

@@ -58,6 +58,17 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.fixture(scope="module", autouse=True)
+def end_kept_worker_groups():
+    """The worker groups a module's flow runs kept (flows/groups.py) end with the module: a module finds no worker
+    processes of another's (its tests may count them), while the runs of one module reuse each other's."""
+    yield
+    import sys
+
+    if "flows.groups" in sys.modules:
+        sys.modules["flows.groups"].end_kept_groups()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

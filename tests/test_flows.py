@@ -10,6 +10,7 @@ uninterrupted run; past trainer.max_restarts it fails listing the faults; a bug 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -28,7 +29,7 @@ from prefect_api import settled_task_runs
 from safetensors.torch import load_file
 
 from flows.config import ConfigError, load_config, runs_root
-from flows.groups import ray_task_runner
+from flows.groups import end_kept_groups, ray_task_runner
 from flows.grpo import grpo
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
@@ -170,6 +171,49 @@ def test_grpo_flow_end_to_end(env):
     assert [step for step, _ in list_checkpoints(f"{runs_root(config)}/checkpoints")] == [2, 3]
 
 
+def worker_pids(title: str) -> set[int]:
+    """Processes under this one (this test process's Ray) whose title starts with ``title``."""
+    import psutil
+
+    pids = set()
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.cmdline() and process.cmdline()[0].startswith(title):
+                pids.add(process.pid)
+    return pids
+
+
+def test_the_next_run_of_the_process_trains_in_the_same_worker_processes_exactly_as_in_new_ones(env):
+    """The test process's Ray outlives its flow runs, so a run's worker groups are kept for the next run: that
+    run builds its workers in the same processes (no process start, no imports) and trains bitwise as the first
+    run did in new processes. A run of another shape (one actor worker instead of two) gets new processes, and the
+    kept ones of the other shape end; ``end_kept_groups`` ends the rest."""
+    end_kept_groups()
+    assert not worker_pids("ray::ActorRolloutRefWorker") and not worker_pids("ray::RewardWorker")
+    base = f"reuse-{uuid.uuid4().hex[:6]}"
+    shape = ("trainer.n_workers=2", "reward.num_workers=1", "trainer.test_freq=0")
+    metrics, pids = {}, {}
+    for name in ("new", "reused"):
+        state, metrics[name] = run_flow("grpo", small_config(env, f"{base}-{name}", *shape))
+        assert state.is_completed(), state.message
+        pids[name] = (worker_pids("ray::ActorRolloutRefWorker"), worker_pids("ray::RewardWorker"))
+    assert len(pids["new"][0]) == 2 and len(pids["new"][1]) == 1, pids
+    assert pids["reused"] == pids["new"]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        assert metrics["reused"][key] == metrics["new"][key], key
+    first = load_file(f"{env['runs']}/{base}-new/final_model/model.safetensors")
+    second = load_file(f"{env['runs']}/{base}-reused/final_model/model.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+    state, _ = run_flow("grpo", small_config(env, f"{base}-one", "trainer.n_workers=1", "trainer.test_freq=0"))
+    assert state.is_completed(), state.message
+    actors = worker_pids("ray::ActorRolloutRefWorker")
+    assert len(actors) == 1 and not actors & pids["new"][0], (actors, pids)
+    assert not worker_pids("ray::RewardWorker")  # a rule scores in the stage: the kept reward worker ended
+    assert end_kept_groups() == 1
+    assert not worker_pids("ray::ActorRolloutRefWorker")
+
+
 def test_a_colocated_reference_gives_the_separate_ones_kl(env):
     """trainer.colocate_ref: the reference lives in the actor's processes (no reference group); its log-probs, and
     so the KL loss the actor trains with, are those of the separate reference group, step by step, and the KL is
@@ -219,6 +263,7 @@ def test_a_rule_reward_scores_in_the_stage_as_a_reward_worker_does(env, tmp_path
     by step (a length reward, so they are not all zero)."""
     reward = tmp_path / "length.py"
     reward.write_text("def score(prompts, responses, **columns):\n    return [len(r) for r in responses]\n")
+    end_kept_groups()  # the reward workers an earlier test's run kept would be seen
     scores, seen = {}, {}
     for workers in (0, 1):
         name = f"reward-{workers}-{uuid.uuid4().hex[:6]}"

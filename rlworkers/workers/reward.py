@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 
 import fsspec
 import numpy as np
@@ -96,8 +97,19 @@ class RuleReward:
         check_reward_spec(path, self.config)
 
 
-@functools.lru_cache(maxsize=8)
 def _load(tokenizer_path: str, reward_fn: str):
+    """The tokenizer and the reward function, loaded once per process while the reward file stays as it is: a
+    process that outlives a run (a kept task host or worker) loads a file edited since again."""
+    file = reward_fn.rsplit(":", 1)[0] if isinstance(reward_fn, str) else ""
+    version = None
+    if file.endswith(".py") and os.path.isfile(file):
+        stat = os.stat(file)
+        version = (stat.st_mtime_ns, stat.st_size)
+    return _load_once(tokenizer_path, reward_fn, version)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_once(tokenizer_path: str, reward_fn: str, file_version: tuple | None):
     return load_tokenizer(tokenizer_path), load_reward_fn(reward_fn)
 
 

@@ -16,6 +16,8 @@ store as a client, exactly as under torchrun's agent, so user code that calls
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import time
 
@@ -28,6 +30,9 @@ _RENDEZVOUS_STORE = None  # one per process: colocated roles share it
 # Rank 0 publishes its store's "host:port" under this key in Ray's KV store as soon as Worker.__init__ binds it:
 # the rest of a subclass's __init__ may call init_process_group, which waits for ranks not yet started.
 RENDEZVOUS_KEY_ENV = "RLFLOW_RENDEZVOUS_KEY"
+# The environment this process started with (a group's worker: Ray's, plus the group's per-rank variables): where a
+# worker built again in the same process (``Worker.reinitialize``) starts from, whatever the one before changed.
+_PROCESS_ENV = dict(os.environ)
 
 
 def _node_ip() -> str:
@@ -106,6 +111,33 @@ class Worker:
         self.__dispatch_dp_rank: dict[str, int] = {}
         self.__collect_dp_rank: dict[str, bool] = {}
         self.fused_worker_dict: dict[str, Worker] = {}  # the roles colocated with this one (ray/colocate.py)
+
+    # --------------------------------------------------------------------------------- reuse of the process
+    def end_for_reuse(self) -> None:
+        """Drop this worker's state (model, optimizer, engine, caches) and leave its torch.distributed world: the
+        process then waits, idle, for ``reinitialize``. Subclasses that cache what a constructor argument names
+        (a reward file, say) clear it here too."""
+        global _RENDEZVOUS_STORE
+        from rlworkers.single_controller.distributed import destroy_process_group
+
+        self.__dict__.clear()
+        destroy_process_group()
+        _RENDEZVOUS_STORE = None
+        gc.collect()
+        try:  # give the freed heap back to the system: an idle process should not hold a model's worth
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+    def reinitialize(self, env: dict[str, str], args: tuple, kwargs: dict) -> None:
+        """Become a new worker of this class, built with ``args`` and ``kwargs``, as one in a new process started
+        with this one's environment updated by ``env`` would be (the group's new rendezvous): what a group whose
+        processes are reused (``RayWorkerGroup.reinitialize``) asks every rank."""
+        self.end_for_reuse()
+        os.environ.clear()
+        os.environ.update(_PROCESS_ENV)
+        os.environ.update(env)
+        type(self).__init__(self, *args, **kwargs)
 
     @classmethod
     def env_keys(cls) -> list[str]:

@@ -41,13 +41,13 @@ from rlworkers.single_controller.ray.group_transport import reduce_group
 from rlworkers.single_controller.ray.placement import RayResourcePool, _placed, _resources
 
 
-def _published_rendezvous(rank_zero, key: str, cls_name: str, poll_s: float = 0.05) -> tuple[str, str]:
+def _published_rendezvous(constructed, key: str, cls_name: str, poll_s: float = 0.05) -> tuple[str, str]:
     """The "host:port" rank 0 publishes when its Worker.__init__ binds the store (see base/worker.py), read
-    while the rest of its __init__ may still run; a failed constructor raises WorkerError for rank 0. The key stays
-    until every rank has read it (the group deletes it)."""
+    while the rest of its __init__ may still run (``constructed``: the ref that resolves when rank 0's constructor
+    ends); a failed constructor raises WorkerError for rank 0. The key stays until every rank has read it (the group
+    deletes it)."""
     from ray.experimental.internal_kv import _internal_kv_get
 
-    constructed = rank_zero.__ray_ready__.remote()
     while True:
         published = _internal_kv_get(key)
         if published is not None:
@@ -321,7 +321,9 @@ class RayWorkerGroup(WorkerGroup):
             self._worker_names.append(name)
         # Surface constructor errors now, with the rank, rather than at the first call; learn where each rank runs.
         try:
-            self._master_addr, self._master_port = _published_rendezvous(self._workers[0], rendezvous_key, cls_name)
+            self._master_addr, self._master_port = _published_rendezvous(
+                self._workers[0].__ray_ready__.remote(), rendezvous_key, cls_name
+            )
             described = get_with_rank(
                 [w.describe_process.remote() for w in self._workers], list(range(world_size)), f"{cls_name}.__init__"
             )
@@ -543,6 +545,42 @@ class RayWorkerGroup(WorkerGroup):
         self._workers, self._worker_names, self._worker_processes = [], [], []
         self.name_prefix = f"{uuid.uuid4().hex[:6]}_"  # the killed actors' names may not be free yet
         self._init_with_resource_pool(pool, self._bin_pack, self._detached, self._worker_env)
+
+    # ------------------------------------------------------------------------------------------- reuse
+    def end_for_reuse(self, timeout_s: float = 60.0) -> bool:
+        """Every rank drops its worker (``Worker.end_for_reuse``): the processes wait idle, in their placement, for
+        ``reinitialize``. False when a rank failed or did not answer within ``timeout_s``: end the group then."""
+        try:
+            ray.get([worker.end_for_reuse.remote() for worker in self._workers], timeout=timeout_s)
+            return True
+        except Exception:
+            return False
+
+    def reinitialize(self, ray_cls_with_init: RayClassWithInitArgs) -> None:
+        """New workers of the same class, built with ``ray_cls_with_init``'s arguments in this group's processes
+        (``Worker.reinitialize``): what ``RayWorkerGroup(pool, ray_cls_with_init)`` gives, without starting a
+        process or importing a module. Call ``init_model`` (or whatever sets the workers up) again."""
+        if ray_cls_with_init.user_cls is not self.ray_cls_with_init.user_cls:
+            raise ValueError(
+                f"reinitialize() builds workers of the group's class {self.ray_cls_with_init.user_cls.__name__}, "
+                f"not {ray_cls_with_init.user_cls.__name__}: start a new group for another class"
+            )
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        cls_name = ray_cls_with_init.user_cls.__name__
+        self.ray_cls_with_init = ray_cls_with_init  # what restart() builds from
+        self.name_prefix = f"{uuid.uuid4().hex[:6]}_"
+        rendezvous_key = f"rlflow_rendezvous_{uuid.uuid4().hex}"
+        env = {"WG_PREFIX": self.name_prefix, "MASTER_ADDR": "", "MASTER_PORT": "", RENDEZVOUS_KEY_ENV: rendezvous_key}
+        args, kwargs = ray_cls_with_init.args, ray_cls_with_init.kwargs
+        refs = [worker.reinitialize.remote(env, args, kwargs) for worker in self._workers]
+        try:
+            self._master_addr, self._master_port = _published_rendezvous(refs[0], rendezvous_key, cls_name)
+            get_with_rank(refs, list(range(self.world_size)), f"{cls_name}.__init__")
+        finally:
+            _internal_kv_del(rendezvous_key)
+        self.__dict__.pop("_slowest_s", None)  # the calls of the workers before are no measure of these
+        self._dispatch_info, self._collect_info = {}, {}  # the new workers register their meshes anew
 
     def shutdown(self) -> None:
         """Kill this group's actors (its resource pool stays placed; call ``pool.remove()`` to free it)."""
