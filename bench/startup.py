@@ -8,6 +8,11 @@ older commit) with this environment, for a before/after in one sitting: a checko
 its wall time only. The CPU's capability is printed beside the figures (they depend on it).
 
     .venv/bin/python bench/startup.py [--jobs sft,grpo] [--repeat 3] [--source DIR]
+
+``--in-process``: the runs of a process whose Ray outlives them (a notebook, a sweep, the tests), one after another
+in this process, every other one after ``flows.groups.end_kept_groups()``: it prints, for the runs that built their
+workers in the processes the run before kept and for those that started new ones, the median wall time, the
+``worker_groups`` phase and the CPU seconds the whole process tree used, and their ratios (kept / new).
 """
 
 from __future__ import annotations
@@ -86,11 +91,67 @@ def phases_of(run_name: str) -> dict[str, float]:
     return phases
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds used so far by this process and every process under it, the exited ones included (a parent's
+    ``children_*`` times hold its waited-for children's: Ray's raylet reaps the workers it started)."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def run_in_process(job: str, runs_dir: Path, end_kept_first: bool) -> dict[str, float]:
+    from flows.config import load_config
+    from flows.groups import end_kept_groups, ray_task_runner
+    from flows.launch import get_flow
+    from flows.startup import mark_flow_called
+
+    if end_kept_first:
+        end_kept_groups()
+    algorithm, _, preset, *overrides = JOBS[job]
+    name = f"startup-{job}-{uuid.uuid4().hex[:6]}"
+    config = load_config(preset, [*overrides, f"trainer.runs_dir={runs_dir}", f"trainer.run_name={name}"])
+    cpu, start = tree_cpu_s(), time.perf_counter()
+    mark_flow_called()
+    state = get_flow(algorithm).with_options(task_runner=ray_task_runner())(config=config, return_state=True)
+    wall = time.perf_counter() - start
+    if not state.is_completed():
+        raise SystemExit(f"the {job} run failed: {state.message}")
+    return {"wall": wall, "cpu": tree_cpu_s() - cpu, **phases_of(name)}
+
+
+def report_in_process(job: str, results: list[tuple[bool, dict[str, float]]]) -> None:
+    print(
+        f"\n{' '.join(JOBS[job])} in this process, one run after another ({len(results)} runs, the first one left out)"
+    )
+    rows = {}
+    for kept, label in ((True, "kept workers"), (False, "new workers")):
+        runs = [r for k, r in results[1:] if k == kept]
+        rows[label] = {
+            key: statistics.median(r.get(key, 0.0) for r in runs) for key in ("wall", "worker_groups", "cpu")
+        }
+        print(
+            f"  {label:<13} wall {rows[label]['wall']:6.1f} s   worker_groups {rows[label]['worker_groups']:6.1f} s   "
+            f"CPU {rows[label]['cpu']:6.1f} s   (median of {len(runs)})"
+        )
+    kept, new = rows["kept workers"], rows["new workers"]
+    ratios = ", ".join(f"{key} {kept[key] / new[key]:.2f}" for key in ("wall", "worker_groups", "cpu") if new[key])
+    print(f"  kept / new: {ratios}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", default="sft,grpo", help=f"comma-separated, of {', '.join(JOBS)}")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--source", type=Path, default=ROOT, help="the checkout whose rlflow runs (default: this)")
+    parser.add_argument("--in-process", action="store_true", help="runs in this process: kept vs new workers")
     args = parser.parse_args()
 
     from flows.preflight import apply_service_env
@@ -102,6 +163,18 @@ def main() -> None:
         urls = start_services(config)
         try:
             apply_service_env(urls)
+            if args.in_process:
+                import ray
+
+                from flows.groups import ray_settings
+
+                _, init_kwargs = ray_settings(None, None)
+                ray.init(address="local", **init_kwargs)
+                for job in args.jobs.split(","):  # new, then kept and new in turn: the first pays the imports
+                    flags = [True, *[i % 2 == 1 for i in range(2 * args.repeat)]]
+                    results = [(kept, run_in_process(job, Path(tmp) / "runs", not kept)) for kept in flags]
+                    report_in_process(job, results)
+                return
             source = args.source.resolve()
             env = {**os.environ, "PYTHONPATH": str(source)}  # apply_service_env set the servers' URLs
             for job in args.jobs.split(","):
