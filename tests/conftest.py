@@ -81,6 +81,7 @@ def ray_cluster():
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
+            _system_config={"prestart_worker_first_driver": False},  # as flows.groups.ray_settings: none used
         )
     yield ray
     ray.shutdown()

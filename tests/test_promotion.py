@@ -1,6 +1,7 @@
-"""The promotion gate as a user runs it: `rlflow train` (a subprocess, its own Ray) on real Prefect and MLflow
-servers, a lineage of GRPO runs on the tiny model after an SFT warm-up, evaluated on a held-out set by exact match
-(not by the training reward):
+"""The promotion gate as a user runs it, on real Prefect and MLflow servers: a lineage of GRPO runs on the tiny
+model after an SFT warm-up, evaluated on a held-out set by exact match (not by the training reward). The runs run in
+this process, one after another as in a notebook, or as `rlflow train` (a subprocess with its own Ray) where a run is
+paused, killed or its terminal output read:
 
 - v1 (a run that changes next to nothing: lr 1e-9) is promoted as the first version, not worse than its start model;
 - v2 (honest GRPO) is significantly better than champion v1 on the same examples: promoted;
@@ -43,14 +44,14 @@ def score(prompts, responses, **columns):
 
 
 @pytest.fixture(scope="module")
-def job(services, tmp_path_factory):
+def job(ray_cluster, services, tmp_path_factory):
     """The demo's SFT-warmed tiny model (about 3 in 4 held-out sums right) and a hackable reward file."""
     folder = tmp_path_factory.mktemp("promotion")
     (folder / "hackable.py").write_text(HACKABLE_REWARD)
     runs = folder / "runs"
-    rlflow(
-        "train", "sft", "--config", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm",
-        "trainer.test_freq=0", "trainer.save_freq=0", "trainer.log_model=false", "trainer.n_workers=1",
+    train_here(
+        "sft", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm", "trainer.test_freq=0",
+        "trainer.save_freq=0", "trainer.log_model=false", "trainer.n_workers=1",
     )  # fmt: skip
     return {
         "folder": folder,
@@ -60,13 +61,36 @@ def job(services, tmp_path_factory):
     }
 
 
-def lineage_run(job, *overrides: str, background: bool = False):
-    args = [
-        "train", "grpo", "--config", "demo", f"model.path={job['model']}", f"trainer.runs_dir={job['runs']}",
-        f"trainer.lineage={job['lineage']}", "trainer.run_name=null", "trainer.total_steps=6", "trainer.test_freq=0",
-        "trainer.save_freq=0", "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]",
-        "trainer.n_workers=1", *overrides,
+def train_here(algorithm: str, preset: str, *overrides: str) -> None:
+    """What `rlflow train <algorithm> --config <preset> <overrides>` runs, in this process: its worker processes are
+    kept from one run to the next (the gate is under test here; `rlflow train` itself is for the runs below that are
+    paused, killed or read from the terminal)."""
+    from flows.config import load_config
+    from flows.groups import ray_task_runner
+    from flows.launch import get_flow
+
+    config = load_config(preset, list(overrides))
+    config.check_algorithm(algorithm)
+    state = get_flow(algorithm).with_options(task_runner=ray_task_runner())(config=config, return_state=True)
+    assert state.is_completed(), state.message
+
+
+def lineage_overrides(job, *overrides: str) -> list[str]:
+    return [
+        f"model.path={job['model']}", f"trainer.runs_dir={job['runs']}", f"trainer.lineage={job['lineage']}",
+        "trainer.run_name=null", "trainer.total_steps=6", "trainer.test_freq=0", "trainer.save_freq=0",
+        "trainer.log_samples=0", "eval.sets=[{name: heldout, scorer: exact}]", "trainer.n_workers=1", *overrides,
     ]  # fmt: skip
+
+
+def lineage_run(job, *overrides: str) -> None:
+    """A GRPO run of the job's lineage, in this process (``train_here``)."""
+    train_here("grpo", "demo", *lineage_overrides(job, *overrides))
+
+
+def lineage_command(job, *overrides: str, background: bool = False):
+    """The same run as `rlflow train` (a subprocess with its own Ray)."""
+    args = ["train", "grpo", "--config", "demo", *lineage_overrides(job, *overrides)]
     return rlflow_in_background(*args) if background else rlflow(*args)
 
 
@@ -158,7 +182,7 @@ def test_manual_promotion_pauses_for_a_person_and_follows_the_answer(gated, serv
     from browser import Browser, chromium
     from prefect.client.orchestration import get_client
 
-    process = lineage_run(gated, "trainer.promotion=manual", "trainer.total_steps=2", background=True)
+    process = lineage_command(gated, "trainer.promotion=manual", "trainer.total_steps=2", background=True)
     try:
         flow_run = wait_paused(gated["lineage"])
         assert flow_run.state.state_details.run_input_keyset  # a form, not a bare pause
@@ -201,7 +225,7 @@ def test_a_resumed_run_is_compared_with_the_champion_of_now_re_evaluated_when_it
     )
     lineage_run(moved, "actor.optim.lr=1e-9", sets)  # v1, the champion
     resumed = ("trainer.run_name=resumed", "trainer.total_steps=8", "trainer.save_freq=2", sets)
-    process = lineage_run(moved, *resumed, background=True)
+    process = lineage_command(moved, *resumed, background=True)
     try:
         manifest = moved["runs"] / "resumed" / "checkpoints" / "step_2" / "manifest.json"
         deadline = time.monotonic() + 300
@@ -214,7 +238,7 @@ def test_a_resumed_run_is_compared_with_the_champion_of_now_re_evaluated_when_it
     assert not (moved["runs"] / "resumed" / "result.json").exists()
     lineage_run(moved, "trainer.total_steps=15", "eval.sets=[{name: heldout, scorer: exact, max_examples: 60}]")
     rlflow("promote", moved["lineage"], "--version", "2", "--reason", "the team trusts v2")
-    done = lineage_run(moved, *resumed)  # resumes from its step-2 checkpoint
+    done = lineage_command(moved, *resumed)  # resumes from its step-2 checkpoint
     output = done.stdout + done.stderr
     assert "steps 3..8" in output and "champion v2 has no heldout results with these settings" in output
 
