@@ -171,8 +171,11 @@ class Run:
         if "response_length/mean" in metrics:
             tokens = metrics["response_length/mean"] * self.config.data.train_batch_size * self.config.rollout.n
             metrics["perf/throughput"] = tokens / wall
-        if "response_length/clip_ratio" in metrics and not self.warned_clipped:
-            self.warned_clipped = self.warn_if_clipped(f"step {step}", metrics["response_length/clip_ratio"])
+        clip_ratio = metrics.get("response_length/clip_ratio", 0.0)
+        if clip_ratio > CLIPPED_WARNING_RATIO and not self.warned_clipped:  # the task's answers: validation's rows
+            data, length = self.config.data, self.config.rollout.response_length
+            fit = run_evaluation.reference_answers_fit(self.val_rows, self.tokenizer, length, data)
+            self.warned_clipped = self.warn_if_clipped(f"step {step}", clip_ratio, fit)
         self.tracker.log_metrics(metrics, step, wait=False)  # sent in order by MLflow's thread; close() waits
         self.last_metrics = metrics
         if self.progress:
@@ -182,28 +185,11 @@ class Run:
         get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
 
     def warn_if_clipped(self, where: str, clip_ratio: float, references_fit: bool = False) -> bool:
-        """Say so (WARNING) when most responses were cut by ``rollout.response_length`` before they ended: their
-        answers are likely missing, and the reward curve stays flat for a reason no metric chart shows at once.
-        Not when every reference answer of the rows fits in the limit (``references_fit``, validation's rows): the
-        model has not learned to end its answers yet, which the score already shows, and the limit is not the cause."""
-        if clip_ratio <= CLIPPED_WARNING_RATIO:
+        """Say what ``clipped_responses_note`` says (once a run for the training steps: True when it said it)."""
+        note = clipped_responses_note(where, clip_ratio, self.config.rollout.response_length, references_fit)
+        if note is None:
             return False
-        if references_fit:
-            get_run_logger().info(
-                "%s: %.0f%% of the responses did not end within rollout.response_length=%d (every reference answer "
-                "fits in it: the model does not end its answers yet)",
-                where,
-                100 * clip_ratio,
-                self.config.rollout.response_length,
-            )
-            return False
-        get_run_logger().warning(
-            "%s: %.0f%% of the responses hit rollout.response_length=%d without ending (EOS); their answers may be "
-            "cut off. Fix: raise rollout.response_length, or ask for shorter answers",
-            where,
-            100 * clip_ratio,
-            self.config.rollout.response_length,
-        )
+        get_run_logger().log(*note)
         return True
 
     def end_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> float:
@@ -297,6 +283,28 @@ class Run:
         for group in self.distinct_groups().values():
             release_group(group, keep=keep)
         self.groups = {}
+
+
+def clipped_responses_note(
+    where: str, clip_ratio: float, response_length: int, references_fit: bool
+) -> tuple[int, str] | None:
+    """(log level, message) when most responses were cut by ``rollout.response_length`` before they ended, else
+    None. A WARNING with the fix when the limit may be what cuts the answers: they are likely missing, and the reward
+    curve stays flat for a reason no metric chart shows at once. Only INFO when every reference answer of the task
+    fits in the limit (``references_fit``): the model has not learned to end its answers yet, which the score already
+    shows, and the limit is not the cause (the demo's untrained model, at its first steps)."""
+    if clip_ratio <= CLIPPED_WARNING_RATIO:
+        return None
+    share = f"{100 * clip_ratio:.0f}%"
+    if references_fit:
+        return logging.INFO, (
+            f"{where}: {share} of the responses did not end within rollout.response_length={response_length} (every "
+            "reference answer fits in it: the model does not end its answers yet)"
+        )
+    return logging.WARNING, (
+        f"{where}: {share} of the responses hit rollout.response_length={response_length} without ending (EOS); "
+        "their answers may be cut off. Fix: raise rollout.response_length, or ask for shorter answers"
+    )
 
 
 class TerminalProgress:

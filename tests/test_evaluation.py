@@ -413,3 +413,20 @@ def test_clipped_responses_are_blamed_on_the_limit_only_when_a_reference_answer_
     gsm8k_like = [{"prompt": "Q", "reward_model": {"ground_truth": "72"}}]  # the final number is no answer to fit
     assert not reference_answers_fit(gsm8k_like, tokenizer, 64, data)
     assert not reference_answers_fit([], tokenizer, 64, data)
+
+
+def test_most_responses_cut_warn_with_the_fix_unless_every_reference_answer_fits():
+    """What a run says at a training step or a validation (flows/runtime.py): nothing at half the responses cut or
+    fewer; a WARNING naming the setting to raise when an answer may not fit; only INFO when every one does (the
+    demo's untrained model at its first steps: `make demo` shows no warning of its own)."""
+    import logging
+
+    from flows.runtime import clipped_responses_note
+
+    assert clipped_responses_note("step 1", 0.5, 4, references_fit=False) is None
+    level, message = clipped_responses_note("step 1", 0.59, 4, references_fit=False)
+    assert level == logging.WARNING and message.startswith("step 1: 59% of the responses hit")
+    assert "Fix: raise rollout.response_length" in message
+    level, message = clipped_responses_note("validation at step 0", 0.6, 4, references_fit=True)
+    assert level == logging.INFO and "the model does not end its answers yet" in message
+    assert "Fix" not in message
