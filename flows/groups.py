@@ -78,9 +78,9 @@ def _end_groups(groups: list[RayWorkerGroup], wait_s: float = 10.0) -> None:
 
     if not groups or not ray.is_initialized():  # a Ray that is gone took them with it
         return
-    pids = []
+    here, pids = ray.util.get_node_ip_address(), []
     for group in groups:
-        pids += [process.pid for process in group.worker_processes if process and process.node_ip == _node_ip()]
+        pids += [process.pid for process in group.worker_processes if process and process.node_ip == here]
         with contextlib.suppress(Exception):  # a Ray that is gone took them with it
             release_group(group)
     processes = []
@@ -88,12 +88,6 @@ def _end_groups(groups: list[RayWorkerGroup], wait_s: float = 10.0) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             processes.append(psutil.Process(pid))
     psutil.wait_procs(processes, timeout=wait_s)
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def build_group(
@@ -113,7 +107,7 @@ def build_group(
     whether ``release_group(group, keep=True)`` may keep its processes for another run (not a vLLM engine's: its
     engine does not let go of everything it started)."""
     worker_cls = RayClassWithInitArgs(cls=cls, **init_kwargs)
-    env = {**storage_env(), **(env or {})}  # storage: workers write checkpoints straight to the store
+    env = worker_env(env)
     if env:
         worker_cls.update_options({"runtime_env": {"env_vars": env}})
     group = None
@@ -224,10 +218,14 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
     return groups
 
 
+def worker_env(env: dict[str, str] | None) -> dict[str, str]:
+    """A group's environment variables: ``env`` and the storage's (workers write checkpoints straight to the store)."""
+    return {**storage_env(), **(env or {})}
+
+
 def plan_key(cls, n: int, options: dict) -> tuple:
     """``group_key`` of the group ``build_group(cls, n, **options)`` builds."""
-    env = {**storage_env(), **(options.get("env") or {})}
-    return group_key(cls, n, options["use_gpu"], options.get("cpus_per_worker", 1.0), env)
+    return group_key(cls, n, options["use_gpu"], options.get("cpus_per_worker", 1.0), worker_env(options.get("env")))
 
 
 def reward_worker_options(config: RLConfig, model_path: str) -> dict:

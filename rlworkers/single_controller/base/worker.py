@@ -115,8 +115,8 @@ class Worker:
     # --------------------------------------------------------------------------------- reuse of the process
     def end_for_reuse(self) -> None:
         """Drop this worker's state (model, optimizer, engine, caches) and leave its torch.distributed world: the
-        process then waits, idle, for ``reinitialize``. Subclasses that cache what a constructor argument names
-        (a reward file, say) clear it here too."""
+        process then waits, idle, for ``reinitialize``. A module-level cache of what a constructor argument names
+        outlives it: key it by what can change (rlworkers/workers/reward.py keys reward files by their mtime)."""
         global _RENDEZVOUS_STORE
         from rlworkers.single_controller.distributed import destroy_process_group
 
