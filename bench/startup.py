@@ -159,7 +159,9 @@ def main() -> None:
 
     print(f"CPU: {cpu_description()}")
     with tempfile.TemporaryDirectory(prefix="rlflow-startup-") as tmp:
-        config = ServiceConfig(state_dir=Path(tmp) / "home", prefect_port=free_port(), mlflow_port=free_port())
+        config = ServiceConfig(
+            state_dir=Path(tmp) / "home", prefect_port=free_port(), mlflow_port=free_port(), ray_port=free_port()
+        )
         urls = start_services(config)
         try:
             apply_service_env(urls)

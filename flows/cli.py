@@ -23,6 +23,7 @@ from flows.launch import ALGORITHMS, get_flow, run_training
 from flows.preflight import require_mlflow_tracking, require_prefect_api, server_failure_message, use_running_services
 from flows.services import (
     LOCAL_HOSTS,
+    LOCAL_RAY,
     MLFLOW_TRACKING_URI,
     PREFECT_API_URL,
     ServiceConfig,
@@ -331,6 +332,8 @@ def up(
     host: str = typer.Option("127.0.0.1", help="Interface to bind; 0.0.0.0 exposes both servers."),
     prefect_port: int = typer.Option(4200, help="Port of the Prefect API server and UI."),
     mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server and UI."),
+    ray_port: int = typer.Option(6390, help="Port of the local Ray that runs join (always on 127.0.0.1)."),
+    ray_cpus: Optional[int] = typer.Option(None, help="Logical CPUs of the local Ray [default: max(8, cores)]."),
     timeout: float = typer.Option(90.0, help="Seconds to wait for both health endpoints."),
     postgres: str | None = typer.Option(
         None,
@@ -349,19 +352,23 @@ def up(
         "line); clients export the same RLFLOW_SERVER_AUTH and source env.sh",
     ),
 ) -> None:
-    """Start both servers in the background (or reuse running ones) and print their URLs."""
+    """Start both servers and a local Ray in the background (or reuse running ones) and print their URLs. Runs of
+    this machine join that Ray when they are given no other, and build their workers in the processes the run
+    before kept there (flows/kept.py); `rlflow server down` ends them."""
     config = _cli_config(
         state_dir,
         host=host,
         prefect_port=prefect_port,
         mlflow_port=mlflow_port,
+        ray_port=ray_port,
+        ray_cpus=ray_cpus,
         startup_timeout_s=timeout,
         postgres=postgres,
         artifacts=artifacts,
         auth=auth,
     )
     try:
-        with console.status("Starting the Prefect and MLflow servers..."):
+        with console.status("Starting the Prefect and MLflow servers and a local Ray..."):
             urls = start_services(config)
     except ServiceError as error:
         console.print(f"[red]{error}[/red]")
@@ -373,6 +380,7 @@ def up(
     table.add_row(
         "MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"], f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}"
     )
+    table.add_row("Ray", str(urls["ray_pid"]), "-", f"{LOCAL_RAY}={urls[LOCAL_RAY]}")
     console.print(table)
     console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
     if config.auth:
@@ -391,7 +399,7 @@ def up(
 
 @server_app.command()
 def down(state_dir: Path | None = _StateDir) -> None:
-    """Stop both servers (idempotent)."""
+    """Stop both servers and the local Ray, with the worker processes kept there (idempotent)."""
     stopped = stop_services(_cli_config(state_dir))
     for name, was_running in stopped.items():
         typer.echo(f"{name}: {'stopped' if was_running else 'was not running'}")
@@ -399,7 +407,7 @@ def down(state_dir: Path | None = _StateDir) -> None:
 
 @server_app.command()
 def status(state_dir: Path | None = _StateDir) -> None:
-    """Show url, pid and health of both servers; exit code 1 unless both are healthy."""
+    """Show url, pid and health of both servers and the local Ray; exit code 1 unless all are healthy."""
     states = service_status(_cli_config(state_dir))
     table = Table()
     for column in ("service", "url", "pid", "alive", "healthy"):

@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import threading
+import uuid
 import weakref
 
+from flows import kept as kept_processes
 from flows.config import RLConfig
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.storage import storage_env
@@ -23,25 +26,39 @@ logger = logging.getLogger(__name__)
 # that ends lets its groups' workers go (``Worker.end_for_reuse``) but keeps their processes, in their placement; the
 # next run of the process builds its workers in those of the same class, size, resources and environment
 # (``RayWorkerGroup.reinitialize``: seeded and set up exactly as in new processes) instead of starting processes that
-# import torch and transformers again (~9 CPU-seconds each on a 2-core machine). A run that starts its own Ray
-# (``rlflow train``, a deployment run) ends its groups with it. Kept groups that a build does not take are ended then,
-# so they never hold the placement a run needs; ``end_kept_groups()`` ends them at any time.
+# import torch and transformers again (~9 CPU-seconds each on a 2-core machine). In the local Ray of `rlflow server up`
+# the groups of every run are kept so, for the next run of any process (flows/kept.py). A run that starts its own Ray
+# (``rlflow train`` with no local Ray up, a deployment run then) ends its groups with it. Kept groups that a build does
+# not take are ended then, so they never hold the placement a run needs; ``end_kept_groups()`` ends them at any time.
 _kept_groups: list[tuple[tuple, RayWorkerGroup]] = []
 _keys: weakref.WeakKeyDictionary[RayWorkerGroup, tuple] = weakref.WeakKeyDictionary()  # of reusable groups built
 _kept_groups_lock = threading.Lock()
+# the groups of this process recorded in the local Ray's registry of kept processes (flows/kept.py): their item ids
+_registered: weakref.WeakKeyDictionary[RayWorkerGroup, str] = weakref.WeakKeyDictionary()
 
 
 def group_key(cls, n: int, use_gpu: bool, cpus_per_worker: float, env: dict[str, str]) -> tuple:
-    """What a kept group must match to be reused: the Ray job, the worker class, the number of workers, their
-    resources and their environment (a process's environment is set when it starts)."""
+    """What a kept group must match to be reused: the Ray job (any job of the local Ray of `rlflow server up`), the
+    worker class, the number of workers, their resources and their environment (a process's environment is set when
+    it starts: the group's own variables and those every worker of the run gets)."""
     import ray
 
-    job = ray.get_runtime_context().get_job_id()
+    job = None if kept_processes.in_local_ray() else ray.get_runtime_context().get_job_id()
+    env = {**_service_env(), **env}
     return (job, cls.__module__, cls.__qualname__, n, use_gpu, cpus_per_worker, tuple(sorted(env.items())))
 
 
 def take_kept_groups(keys: list[tuple]) -> list[RayWorkerGroup | None]:
     """For each of ``keys``, a kept group of that key (None if none is kept); every kept group not taken is ended."""
+    if kept_processes.in_local_ray():
+        taken = []
+        for found in kept_processes.take("group", keys):
+            group = None
+            if found is not None:
+                group = pickle.loads(found[1])
+                _registered[group] = found[0]
+            taken.append(group)
+        return taken
     with _kept_groups_lock:
         kept, _kept_groups[:] = list(_kept_groups), []
     taken = []
@@ -63,7 +80,10 @@ def keep_group(key: tuple, group: RayWorkerGroup) -> None:
 
 
 def end_kept_groups() -> int:
-    """End every kept group (their processes exit and their placement is freed); returns how many there were."""
+    """End every kept group (their processes exit and their placement is freed); returns how many there were. In the
+    local Ray of `rlflow server up`, every idle group and task host kept there."""
+    if kept_processes.in_local_ray():
+        return kept_processes.end_idle()
     with _kept_groups_lock:
         kept, _kept_groups[:] = list(_kept_groups), []
     _end_groups([group for _, group in kept])
@@ -110,6 +130,7 @@ def build_group(
     env = worker_env(env)
     if env:
         worker_cls.update_options({"runtime_env": {"env_vars": env}})
+    key = group_key(cls, n, use_gpu, cpus_per_worker, env)
     group = None
     if kept is not None:
         try:
@@ -117,12 +138,27 @@ def build_group(
             group = kept
         except Exception as error:  # a kept process that died or fails: new ones, as if none was kept
             logger.warning("a kept %s group could not be reused (%s): starting new workers", cls.__name__, error)
-            _end_groups([kept])
+            release_group(kept)
     if group is None:
-        pool = RayResourcePool([n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker)
-        group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls)
+        in_local_ray = kept_processes.in_local_ray()  # detached, recorded in its registry before any worker starts
+        pool = RayResourcePool(
+            [n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker, detached=in_local_ray
+        )
+        if in_local_ray:
+            item = uuid.uuid4().hex
+            kept_processes.hold(item, "group", key, pgs=pool.get_placement_groups())
+        try:
+            group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls, detached=in_local_ray)
+        except BaseException:
+            if in_local_ray:
+                kept_processes.end([item])
+            raise
+        if in_local_ray:
+            _registered[group] = item
+            pids = [process.pid for process in group.worker_processes if process]
+            kept_processes.hold(item, "group", key, pgs=pool.pgs, pids=pids)
     if reusable:
-        _keys[group] = group_key(cls, n, use_gpu, cpus_per_worker, env)
+        _keys[group] = key
     group.set_call_timeout(*(timeout or (None, 0.0)))
     group.init_model()
     return group
@@ -139,6 +175,14 @@ def release_group(group: RayWorkerGroup, keep: bool = False) -> None:
     """End a group's actors and give its placement back; or, with ``keep`` (a process whose Ray outlives the run)
     and a group ``build_group`` made reusable, keep its processes for the next run of this process."""
     key = _keys.pop(group, None)
+    item = _registered.pop(group, None)
+    if item is not None:  # in the local Ray's registry: kept there for any process, or ended by it
+        if keep and key is not None and group.end_for_reuse():
+            pids = [process.pid for process in group.worker_processes if process]
+            kept_processes.release(item, pickle.dumps(group), pids)
+        else:
+            kept_processes.end([item])
+        return
     if keep and key is not None:
         keep_group(key, group)
         return
@@ -208,8 +252,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
             errors.append(error)
     if errors:  # release what did start before failing with the first error
         for group in groups.values():
-            group.shutdown()
-            group.resource_pool.remove()
+            release_group(group)
         raise errors[0]
     if colocate_ref and "ref" in roles:
         groups["ref"] = groups["actor"]  # one group in two roles (Run.distinct_groups lists it once)
@@ -244,15 +287,16 @@ def reward_worker_options(config: RLConfig, model_path: str) -> dict:
 
 
 def ray_outlives_the_run() -> bool:
-    """Whether the Ray of this process outlives the flow run it is in (the run's task runner did not start it):
-    then the run's worker groups are kept for the next run (``release_group(..., keep=True)``)."""
+    """Whether the Ray of this process outlives the flow run it is in (the run's task runner did not start it, or it
+    is the local Ray of `rlflow server up`): then the run's worker groups are kept for the next run
+    (``release_group(..., keep=True)``)."""
     from prefect.context import FlowRunContext
 
     from flows.task_runner import WarmRayTaskRunner
 
     context = FlowRunContext.get()
     runner = context.task_runner if context else None
-    return isinstance(runner, WarmRayTaskRunner) and not runner.owns_ray
+    return isinstance(runner, WarmRayTaskRunner) and (not runner.owns_ray or kept_processes.in_local_ray())
 
 
 def flow_task_runner():
@@ -346,10 +390,13 @@ def ray_task_runner():
 
 def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:
     """``(address, ray.init keyword arguments)`` for ``trainer.ray_address`` / ``trainer.ray_num_cpus``: Ray at
-    ``address`` (else ``$RAY_ADDRESS``) when one is given, otherwise a local Ray with ``num_cpus`` (else
-    ``$RLFLOW_RAY_NUM_CPUS``, else max(8, cores)) logical CPUs as slots for the worker processes. ``num_cpus`` does
-    not apply to an existing cluster (it has its own resources)."""
+    ``address`` (else ``$RAY_ADDRESS``) when one is given; else the local Ray of `rlflow server up` when it is up
+    (``$RLFLOW_LOCAL_RAY``); otherwise a local Ray of the run's own with ``num_cpus`` (else ``$RLFLOW_RAY_NUM_CPUS``,
+    else max(8, cores)) logical CPUs as slots for the worker processes. ``num_cpus`` does not apply to an existing
+    Ray (it has its own resources: the local Ray's are `rlflow server up --ray-cpus`)."""
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None and _answers(os.environ.get(kept_processes.LOCAL_RAY_ENV)):
+        address = os.environ[kept_processes.LOCAL_RAY_ENV]
     init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
     if address is None:
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
@@ -360,3 +407,17 @@ def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None,
     else:
         init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
     return address, init_kwargs
+
+
+def _answers(address: str | None) -> bool:
+    """Whether something accepts connections at ``host:port`` (the local Ray's GCS), within a second."""
+    import socket
+
+    if not address:
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False

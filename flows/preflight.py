@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.services import (
+    LOCAL_RAY,
     MLFLOW_TRACKING_URI,
     PREFECT_API_URL,
     ServiceConfig,
@@ -37,6 +38,8 @@ def apply_service_env(urls: Mapping[str, Any]) -> None:
     refreshed; an already-imported mlflow gets ``set_tracking_uri`` (which wins over the environment)."""
     os.environ[PREFECT_API_URL] = str(urls[PREFECT_API_URL])
     os.environ[MLFLOW_TRACKING_URI] = str(urls[MLFLOW_TRACKING_URI])
+    if urls.get(LOCAL_RAY):  # runs join the local Ray (flows/groups.py ray_settings)
+        os.environ[LOCAL_RAY] = str(urls[LOCAL_RAY])
     if urls.get("auth") and os.environ.get(SERVER_AUTH):  # what env.sh derives from it, unless set otherwise
         user, _, password = os.environ[SERVER_AUTH].partition(":")
         os.environ.setdefault("PREFECT_API_AUTH_STRING", os.environ[SERVER_AUTH])
@@ -49,15 +52,17 @@ def apply_service_env(urls: Mapping[str, Any]) -> None:
 
 
 def use_running_services() -> None:
-    """Point this process at the servers `rlflow server up` started, unless the environment already names some."""
+    """Point this process at the servers `rlflow server up` started (and its local Ray, when it is up), unless the
+    environment already names some."""
     if os.environ.get(PREFECT_API_URL) and os.environ.get(MLFLOW_TRACKING_URI):
         return
     status = service_status(ServiceConfig())
-    if all(s.get("healthy") for s in status.values()) and status:
+    if status["prefect"]["healthy"] and status["mlflow"]["healthy"]:
         apply_service_env(
             {
                 PREFECT_API_URL: status["prefect"]["url"] + "/api",
                 MLFLOW_TRACKING_URI: status["mlflow"]["url"],
+                LOCAL_RAY: status["ray"]["url"] if status["ray"]["alive"] and status["ray"]["healthy"] else None,
                 "auth": status["prefect"]["auth"] or status["mlflow"]["auth"],
             }
         )

@@ -54,11 +54,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from flows.kept import LOCAL_RAY_ENV as LOCAL_RAY  # the local Ray's address, in env.sh
+
 logger = logging.getLogger(__name__)
 
 PREFECT_API_URL = "PREFECT_API_URL"
 MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
-SERVICES = ("prefect", "mlflow")
+SERVICES = ("prefect", "mlflow", "ray")
 _SERVICES_FILE = "services.json"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
@@ -85,6 +87,10 @@ class ServiceConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Interface both servers bind to; 0.0.0.0 exposes them to the network.")
     prefect_port: int = Field(4200, ge=1, le=65535)
     mlflow_port: int = Field(5000, ge=1, le=65535)
+    ray_port: int = Field(6390, ge=1, le=65535, description="Port of the local Ray's GCS (on 127.0.0.1 only).")
+    ray_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of the local Ray: slots for worker processes (default max(8, cores))."
+    )
     startup_timeout_s: float = Field(90.0, gt=0, description="How long to wait for both health endpoints.")
     stop_grace_s: float = Field(10.0, ge=0, description="SIGTERM to SIGKILL delay when stopping.")
     postgres: str | None = Field(
@@ -312,8 +318,38 @@ def _write_mlflow_auth_config(config: ServiceConfig) -> None:
     )
 
 
+def _ray_spec(config: ServiceConfig) -> _Spec:
+    """The local Ray that runs join when they are given no other (flows/groups.py ``ray_settings``), where worker
+    processes are kept from run to run (flows/kept.py). Clients reach it at 127.0.0.1; Ray itself listens on the
+    node's address, as the Ray a run starts for itself does, with Ray's token authentication (its default, the token
+    in ~/.ray/auth_token). No dashboard, no metrics, no autoscaler; its temporary folder is its
+    own (a short path: Ray's socket paths have a length limit), so a bare ``ray.init()`` never finds and joins it."""
+    import hashlib
+
+    digest = hashlib.blake2b(str(config.state_dir).encode(), digest_size=4).hexdigest()
+    address = f"127.0.0.1:{config.ray_port}"
+    command = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+        f"--port={config.ray_port}", f"--num-cpus={config.ray_cpus or max(8, os.cpu_count() or 1)}",
+        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir=/tmp/rlflow-ray-{digest}",
+        "--no-monitor",  # no autoscaler: a local Ray of one node
+        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+        # every actor rlflow starts has a runtime env of its own: idle workers started for a job go unused
+        '--system-config={"prestart_worker_first_driver": false}',
+    ]  # fmt: skip
+    env = {"RAY_enable_metrics_collection": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    return _Spec("ray", config.ray_port, "--ray-port", address, f"tcp://{address}", command, env,
+                 config.state_dir / "logs" / "ray.log")  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _specs(config: ServiceConfig) -> dict[str, _Spec]:
-    return {"prefect": _prefect_spec(config), "mlflow": _mlflow_spec(config)}
+    return {"prefect": _prefect_spec(config), "mlflow": _mlflow_spec(config), "ray": _ray_spec(config)}
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -336,7 +372,15 @@ def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | Non
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when GET ``url`` answers 2xx."""
+    """True when GET ``url`` answers 2xx; for a ``tcp://host:port`` URL (the local Ray's), when it accepts
+    connections."""
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://") :].rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return True
+        except (OSError, ValueError):
+            return False
     status = http_status(url, timeout)
     return status is not None and 200 <= status < 300
 
@@ -388,7 +432,8 @@ def _is_ours(pid: int, name: str) -> bool:
     except OSError:
         return True  # no /proc: trust the live process group
     stat = _proc_stat(pid)
-    return name.encode() in cmdline and b"server" in cmdline and stat is not None and stat[1] == pid
+    marker = (b"ray.scripts.scripts", b"start") if name == "ray" else (name.encode(), b"server")
+    return all(word in cmdline for word in marker) and stat is not None and stat[1] == pid
 
 
 def _stop_group(pid: int, grace_s: float) -> bool:
@@ -518,6 +563,8 @@ def _service_urls(config: ServiceConfig, record: Mapping[str, Any]) -> dict[str,
         "mlflow_ui": mlflow["url"],
         "prefect_pid": prefect["pid"],
         "mlflow_pid": mlflow["pid"],
+        LOCAL_RAY: record["ray"]["url"] if "ray" in record else None,
+        "ray_pid": record["ray"]["pid"] if "ray" in record else None,
         "env_file": str(config.env_file),
         "auth": bool(prefect.get("auth") or mlflow.get("auth")),
     }
@@ -529,6 +576,8 @@ def _write_env_file(urls: Mapping[str, Any]) -> None:
         f"export {PREFECT_API_URL}={urls[PREFECT_API_URL]}",
         f"export {MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}",
     ]
+    if urls.get(LOCAL_RAY):  # runs join it (and keep their worker processes there from run to run)
+        lines.append(f"export {LOCAL_RAY}={urls[LOCAL_RAY]}")
     if urls["auth"]:  # the credentials come from the shell, never from this file
         lines += [
             "# The servers ask for a user and password: export RLFLOW_SERVER_AUTH=user:password before sourcing",
@@ -576,7 +625,7 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
                 _stop_group(old["pid"], config.stop_grace_s)
             to_start.append(spec)
         for spec in to_start:  # check every port before starting anything
-            _check_port_free(config.host, spec)
+            _check_port_free("127.0.0.1" if spec.name == "ray" else config.host, spec)
         if config.postgres and to_start:
             databases = ("prefect", "mlflow", *(["mlflow_auth"] if config.auth else []))
             for name in ensure_postgres_databases(config.postgres, databases):
@@ -620,8 +669,11 @@ def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str,
 
 
 def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
-    """Stop both servers (SIGTERM to their process groups, SIGKILL after ``stop_grace_s``) and remove
-    services.json. Idempotent. Returns ``{name: whether it was running}``."""
+    """Stop both servers and the local Ray (SIGTERM to their process groups, SIGKILL after ``stop_grace_s``) and
+    remove services.json. The local Ray's worker processes (each a session of its own) are waited for, and killed
+    if they outlive it by ``stop_grace_s``. Idempotent. Returns ``{name: whether it was running}``."""
+    import psutil
+
     config = config or ServiceConfig()
     if not (config.state_dir / _SERVICES_FILE).exists():
         return {name: False for name in SERVICES}
@@ -630,9 +682,16 @@ def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
         stopped = {}
         for name in SERVICES:
             entry = record.get(name)
-            stopped[name] = (
-                bool(entry) and _is_ours(entry["pid"], name) and _stop_group(entry["pid"], config.stop_grace_s)
-            )
+            running = bool(entry) and _is_ours(entry["pid"], name)
+            workers = []
+            if running and name == "ray":
+                with contextlib.suppress(psutil.Error):
+                    workers = psutil.Process(entry["pid"]).children(recursive=True)
+            stopped[name] = running and _stop_group(entry["pid"], config.stop_grace_s)
+            _, left = psutil.wait_procs(workers, timeout=config.stop_grace_s)
+            for process in left:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
         (config.state_dir / _SERVICES_FILE).unlink(missing_ok=True)
     return stopped
 

@@ -79,6 +79,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import pickle
 import signal
 import threading
@@ -97,6 +98,7 @@ from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 from ray import cloudpickle
 
+from flows import kept as kept_processes
 from flows import prefect_internals
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
@@ -276,6 +278,11 @@ class TaskHost:
             self._flow_runs.clear()
             self._finished.clear()
             return self._in_flight == 0 and not self._running and not self._waiters
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def warm_up(self) -> None:
         """Open the Prefect client now, while the flow builds its worker groups, instead of in the first task."""
@@ -605,6 +612,7 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
         self.preload = tuple(preload)
         self._host = None
         self._host_key: tuple | None = None  # see _kept_host
+        self._host_item: str | None = None  # its id in the local Ray's registry of kept processes (flows/kept.py)
         self._host_token = uuid4().hex  # on this runner's futures: their tasks run in its host (see HandOff)
         self._host_lock = threading.Lock()
         self._by_reference: dict[str, tuple[dict, tuple[str, list]]] = {}  # what -> (its form, its reference)
@@ -639,9 +647,13 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
         if self._host is not None:
             return
         if not ray.is_initialized():
-            self.logger.info(
-                "Connecting to the Ray cluster at %s" if address else "Starting a local Ray%s", address or ""
-            )
+            if address and address == os.environ.get(kept_processes.LOCAL_RAY_ENV):
+                self.logger.info("Joining the local Ray of `rlflow server up` at %s", address)
+                kept_processes.use_token_authentication()
+            else:
+                self.logger.info(
+                    "Connecting to the Ray cluster at %s" if address else "Starting a local Ray%s", address or ""
+                )
             # no address: "local" starts a Ray of its own; Ray's default (None) would join a cluster that `ray start`
             # left running on this machine, or one named by a stale /tmp/ray/ray_current_cluster, and then refuse
             # num_cpus ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")
@@ -661,9 +673,15 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
                     env_vars = {**self.host_env(), **runtime_env.get("env_vars", {})}
                     runtime_env = {**runtime_env, "env_vars": env_vars}
                 node = ray.get_runtime_context().get_node_id()
-                job = ray.get_runtime_context().get_job_id()
+                in_local_ray = kept_processes.in_local_ray()  # kept there for any process's next run
+                job = None if in_local_ray else ray.get_runtime_context().get_job_id()
                 self._host_key = (job, node, self.preload, json.dumps(runtime_env, sort_keys=True, default=str))
-                self._host = _take_kept_host(self._host_key)
+                if in_local_ray:
+                    (found,) = kept_processes.take("host", [self._host_key])
+                    if found is not None:
+                        self._host_item, self._host = found[0], cloudpickle.loads(found[1])
+                else:
+                    self._host = _take_kept_host(self._host_key)
                 if self._host is None:
                     self._host = (
                         ray.remote(TaskHost)
@@ -672,9 +690,13 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
                             max_concurrency=HOST_THREADS,
                             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                             **({"runtime_env": runtime_env} if runtime_env else {}),
+                            **({"lifetime": "detached"} if in_local_ray else {}),
                         )
                         .remote(self.preload)
                     )
+                    if in_local_ray:
+                        self._host_item = uuid4().hex
+                        kept_processes.hold(self._host_item, "host", self._host_key, actors=[self._host])
                 self._host.warm_up.remote()  # not waited for: runs while the flow builds its groups
             return self._host
 
@@ -767,14 +789,21 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
             idle = False
             try:
                 ray.get(self._host.drain.remote(), timeout=30)
-                idle = not self._owns_ray and ray.get(self._host.release.remote(), timeout=30)
+                keep = not self._owns_ray or self._host_item is not None
+                idle = keep and ray.get(self._host.release.remote(), timeout=30)
             except Exception as error:  # a dead host has nothing left to send
                 self.logger.warning("the task host could not send its last logs and events: %s", error)
-            if idle:
+            if self._host_item is not None:  # in the local Ray's registry: kept there for any process, or ended
+                if idle:
+                    pid = ray.get(self._host.pid.remote(), timeout=30)
+                    kept_processes.release(self._host_item, cloudpickle.dumps(self._host), [pid])
+                else:
+                    kept_processes.end([self._host_item])
+            elif idle:
                 _keep_host(self._host_key, self._host)
             else:
                 ray.kill(self._host)
-            self._host = None
+            self._host, self._host_item = None, None
         if self._owns_ray:
             self.logger.debug("Shutting down Ray")
             ray.shutdown()

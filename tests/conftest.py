@@ -89,7 +89,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def services(tmp_path_factory):
-    """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) for the whole session."""
+    """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) and the local Ray of `rlflow server up`, for
+    the whole session: every `rlflow` process a test starts joins that Ray, as a user's runs do."""
     import socket
 
     from flows.preflight import apply_service_env
@@ -101,9 +102,12 @@ def services(tmp_path_factory):
             return sock.getsockname()[1]
 
     config = ServiceConfig(
-        state_dir=tmp_path_factory.mktemp("rlflow-home"), prefect_port=free_port(), mlflow_port=free_port()
+        state_dir=tmp_path_factory.mktemp("rlflow-home"),
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        ray_port=free_port(),
     )
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
     urls = start_services(config)
     apply_service_env(urls)
     yield urls

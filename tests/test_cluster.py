@@ -202,7 +202,7 @@ def test_a_local_run_does_not_join_a_cluster_it_was_not_given(cluster, tmp_path)
     saved = address_file.read_text() if address_file.exists() else None
     address_file.parent.mkdir(parents=True, exist_ok=True)
     address_file.write_text(cluster["address"])  # what `ray start --head` (default temp dir) writes
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLFLOW_LOCAL_RAY")}  # no Ray given
     try:
         done = subprocess.run(
             [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", "model.path=tiny",

@@ -32,10 +32,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def as_test_runs_it(line: str, prefect_port: int, mlflow_port: int) -> str:
+def as_test_runs_it(line: str, prefect_port: int, mlflow_port: int, ray_port: int) -> str:
     command = line.split("#", 1)[0].rstrip()
     if command.endswith("rlflow server up"):
-        return f"{command} --prefect-port {prefect_port} --mlflow-port {mlflow_port}"
+        return f"{command} --prefect-port {prefect_port} --mlflow-port {mlflow_port} --ray-port {ray_port}"
     if " train " in command:
         return f"{command} {SHORT}"
     return command
@@ -45,9 +45,13 @@ def test_running_your_own_runs_in_the_order_shown(tmp_path):
     lines = readme_block("## Running your own")
     assert any(" train ppo " in line for line in lines) and lines[-1].endswith("server down")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/rlflow
-    ports = free_port(), free_port()
+    ports = free_port(), free_port(), free_port()
     script = "set -ex\n" + "\n".join(as_test_runs_it(line, *ports) for line in lines) + "\n"
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_HOME")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY", "RLFLOW_HOME")
+    }
     try:
         done = subprocess.run(
             ["bash", "-c", script],

@@ -88,6 +88,7 @@ def servers(request, services, tmp_path_factory):
             state_dir=tmp_path_factory.mktemp("schedule-pg-home"),
             prefect_port=free_port(),
             mlflow_port=free_port(),
+            ray_port=free_port(),
             postgres=cluster["url"],
             startup_timeout_s=180,
         )
@@ -103,8 +104,10 @@ def servers(request, services, tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker(servers, tmp_path_factory):
     home = tmp_path_factory.mktemp("schedule")
+    # the deployment runs start a Ray of their own (as on a machine where `rlflow server up` runs elsewhere): the
+    # module tests that a killed run's Ray goes with it; runs killed in the local Ray: tests/test_local_ray.py
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "RLFLOW_LOCAL_RAY"},
         "PREFECT_API_URL": servers["PREFECT_API_URL"],
         "MLFLOW_TRACKING_URI": servers["MLFLOW_TRACKING_URI"],
         "PYTHONPATH": str(ROOT),

@@ -42,7 +42,11 @@ def free_port() -> int:
 def guarded(tmp_path_factory):
     auth = f"team:pw-{uuid.uuid4().hex}"
     config = ServiceConfig(
-        state_dir=tmp_path_factory.mktemp("auth-home"), prefect_port=free_port(), mlflow_port=free_port(), auth=auth
+        state_dir=tmp_path_factory.mktemp("auth-home"),
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        ray_port=free_port(),
+        auth=auth,
     )
     urls = start_services(config)
     yield {"auth": auth, "urls": urls, "config": config}

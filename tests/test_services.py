@@ -72,6 +72,7 @@ def services(tmp_path_factory):
         state_dir=tmp_path_factory.mktemp("rlflow_home"),
         prefect_port=_free_port(),
         mlflow_port=_free_port(),
+        ray_port=_free_port(),
         startup_timeout_s=120,
     )
     started = time.monotonic()
@@ -119,6 +120,9 @@ def test_start_writes_state_and_both_health_endpoints_answer(services):
     env_sh = (config.state_dir / "env.sh").read_text()
     assert f"export PREFECT_API_URL={urls[PREFECT_API_URL]}\n" in env_sh
     assert f"export MLFLOW_TRACKING_URI={urls[MLFLOW_TRACKING_URI]}\n" in env_sh
+    assert (
+        f"export RLFLOW_LOCAL_RAY=127.0.0.1:{config.ray_port}\n" in env_sh and record["ray"]["pid"] == urls["ray_pid"]
+    )
     # Both SQLite backends live in the state folder.
     assert (config.state_dir / "prefect" / "prefect.db").is_file()
     assert (config.state_dir / "mlflow" / "mlflow.db").is_file()
@@ -144,7 +148,7 @@ def test_start_is_idempotent(services):
 def test_status_and_cli_report_healthy_services(services):
     config, urls = services
     status = service_status(config)
-    for name in ("prefect", "mlflow"):
+    for name in ("prefect", "mlflow", "ray"):
         assert status[name]["alive"] and status[name]["healthy"]
         assert status[name]["pid"] == urls[f"{name}_pid"]
 
@@ -161,6 +165,8 @@ def test_status_and_cli_report_healthy_services(services):
             str(config.prefect_port),
             "--mlflow-port",
             str(config.mlflow_port),
+            "--ray-port",
+            str(config.ray_port),
         ],
     )
     assert result.exit_code == 0, result.output
@@ -249,16 +255,23 @@ def test_port_conflict_names_the_port_and_the_option(tmp_path):
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         busy = squatter.getsockname()[1]
-        config = ServiceConfig(state_dir=tmp_path / "state", prefect_port=busy, mlflow_port=_free_port())
+        config = ServiceConfig(
+            state_dir=tmp_path / "state", prefect_port=busy, mlflow_port=_free_port(), ray_port=_free_port()
+        )
         with pytest.raises(ServiceError, match=rf"Port {busy} .* in use.*--prefect-port"):
             start_services(config)
     assert not (config.state_dir / "services.json").exists()
     assert not _pids_with_args("--port", str(config.mlflow_port))  # nothing was started
+    assert not _pids_with_args(f"--port={config.ray_port}")
 
 
 def test_failed_start_stops_what_it_started(tmp_path):
     config = ServiceConfig(
-        state_dir=tmp_path / "state", prefect_port=_free_port(), mlflow_port=_free_port(), startup_timeout_s=0.5
+        state_dir=tmp_path / "state",
+        prefect_port=_free_port(),
+        mlflow_port=_free_port(),
+        ray_port=_free_port(),
+        startup_timeout_s=0.5,
     )
     expected = r"did not answer .* within 0.5 s \(ServiceConfig.startup_timeout_s\)\. Last lines of"
     with pytest.raises(ServiceError, match=expected):
@@ -266,17 +279,23 @@ def test_failed_start_stops_what_it_started(tmp_path):
     assert not (config.state_dir / "services.json").exists()
     for port in (config.prefect_port, config.mlflow_port):
         assert not _pids_with_args("--port", str(port))
+    assert not _pids_with_args(f"--port={config.ray_port}")
 
 
 def test_stop_kills_both_and_is_idempotent(services):
-    """Runs last: the module's servers are gone afterwards."""
+    """Runs last: the module's servers and Ray are gone afterwards, the Ray's processes with it."""
+    import psutil
+
     config, urls = services
-    assert stop_services(config) == {"prefect": True, "mlflow": True}
+    ray_processes = psutil.Process(urls["ray_pid"]).children(recursive=True)
+    assert any(p.name() == "raylet" for p in ray_processes)
+    assert stop_services(config) == {"prefect": True, "mlflow": True, "ray": True}
     for name in ("prefect", "mlflow"):
         assert not _pids_with_args("--port", str(getattr(config, f"{name}_port")))
-    assert _port_free(config.prefect_port) and _port_free(config.mlflow_port)
+    assert not [p for p in ray_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert _port_free(config.prefect_port) and _port_free(config.mlflow_port) and _port_free(config.ray_port)
     with pytest.raises(OSError):
         _get(urls[PREFECT_API_URL] + "/health")
     assert not (config.state_dir / "services.json").exists()
-    assert stop_services(config) == {"prefect": False, "mlflow": False}
+    assert stop_services(config) == {"prefect": False, "mlflow": False, "ray": False}
     assert not any(s["alive"] or s["healthy"] for s in service_status(config).values())

@@ -75,6 +75,7 @@ def team_services(postgres, bucket, tmp_path_factory):
         state_dir=tmp_path_factory.mktemp("team-home"),
         prefect_port=free_port(),
         mlflow_port=free_port(),
+        ray_port=free_port(),
         postgres=postgres["url"],
         artifacts="s3://team-mlflow/mlflow",
         startup_timeout_s=180,
@@ -85,7 +86,7 @@ def team_services(postgres, bucket, tmp_path_factory):
 
 
 def rlflow_train(urls: dict, *args: str) -> subprocess.CompletedProcess:
-    servers = {key: urls[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    servers = {key: urls[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
     return rlflow("train", *args, env=servers)
 
 
@@ -130,7 +131,7 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
     run is left Crashed or Running, and the server dead-letters no event. (The bench's defaults, 20 runs with 8 kills,
     are the measurement in docs/; here the suite's CPU is shared, so the smallest case that still overlaps a restart
     with another run and with API traffic.)"""
-    servers = {key: team_services[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    servers = {key: team_services[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
     out = tmp_path / "restarts.json"
     server_log = Path(team_services["env_file"]).parent / "logs" / "prefect.log"
     done = subprocess.run(

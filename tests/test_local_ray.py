@@ -1,0 +1,68 @@
+"""Runs of different processes in the local Ray of `rlflow server up` (the session's, tests/conftest.py): each
+`rlflow train` joins it, the next one builds its workers in the processes the one before kept (flows/kept.py) and
+trains exactly as in new ones; the processes a SIGKILLed run held are ended by the registry, with nothing left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+from rlflow_cli import rlflow, rlflow_in_background
+from safetensors.torch import load_file
+
+from rlworkers.models.tiny import ensure_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def local_ray_workers(services) -> dict[int, str]:
+    """pid -> name of the worker processes (rlflow's actors) of the local Ray now."""
+    found = {}
+    for process in psutil.Process(services["ray_pid"]).children(recursive=True):
+        try:
+            name = process.name()
+            if name.startswith(("ray::ActorRolloutRefWorker", "ray::TaskHost")) and process.status() != "zombie":
+                found[process.pid] = name
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed_ones_are_ended(services, tmp_path):
+    model = ensure_tiny_model(tmp_path / "tiny")
+    common = ["sft", "--config", "demo-sft", f"model.path={model}", f"trainer.runs_dir={tmp_path}",
+              "trainer.total_steps=2", "trainer.test_freq=0", "trainer.log_model=false", "trainer.log_samples=0",
+              "trainer.n_workers=2"]  # fmt: skip
+    first = rlflow("train", *common, "trainer.run_name=first")
+    assert "Joining the local Ray of `rlflow server up`" in first.stdout + first.stderr
+    kept = local_ray_workers(services)
+    assert sorted(kept.values()) == ["ray::ActorRolloutRefWorker"] * 2 + ["ray::TaskHost"], kept
+
+    rlflow("train", *common, "trainer.run_name=second")
+    assert local_ray_workers(services) == kept  # the same processes, idle again
+    weights = [load_file(tmp_path / name / "final_model" / "model.safetensors") for name in ("first", "second")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    # a run SIGKILLed (with its process group) while it trains in the kept processes: the registry ends them
+    killed = rlflow_in_background("train", *common, "trainer.run_name=killed", "trainer.total_steps=400")
+    checkpoint = tmp_path / "killed" / "run.json"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # training
+    assert set(local_ray_workers(services)) == set(kept)  # (named by the method each runs now)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(30)
+    gone = psutil.wait_procs([psutil.Process(pid) for pid in kept if psutil.pid_exists(pid)], timeout=60)[1]
+    assert not gone, [p.pid for p in gone]
+    assert local_ray_workers(services) == {}
+
+    last = rlflow("train", *common, "trainer.run_name=after")  # new processes, same numbers
+    assert "Joining the local Ray" in last.stdout + last.stderr
+    after = load_file(tmp_path / "after" / "final_model" / "model.safetensors")
+    assert all(torch.equal(weights[0][k], after[k]) for k in after)
+    assert not set(local_ray_workers(services)) & set(kept)
