@@ -13,6 +13,7 @@ import weakref
 
 from flows import kept as kept_processes
 from flows.config import RLConfig
+from rlworkers.single_controller.errors import StaleProcessError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.storage import storage_env
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -136,6 +137,9 @@ def build_group(
         try:
             kept.reinitialize(worker_cls)
             group = kept
+        except StaleProcessError as error:  # new processes run the code as it is now
+            logger.info("the kept %s processes run older code (%s): starting new workers", cls.__name__, error)
+            release_group(kept)
         except Exception as error:  # a kept process that died or fails: new ones, as if none was kept
             logger.warning("a kept %s group could not be reused (%s): starting new workers", cls.__name__, error)
             release_group(kept)
@@ -395,9 +399,10 @@ def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None,
     else max(8, cores)) logical CPUs as slots for the worker processes. ``num_cpus`` does not apply to an existing
     Ray (it has its own resources: the local Ray's are `rlflow server up --ray-cpus`)."""
     address = address or os.environ.get("RAY_ADDRESS") or None
+    init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
     if address is None and _answers(os.environ.get(kept_processes.LOCAL_RAY_ENV)):
         address = os.environ[kept_processes.LOCAL_RAY_ENV]
-    init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
+        init_kwargs["namespace"] = kept_processes.NAMESPACE  # its kept (detached, named) actors outlive the job
     if address is None:
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
         # Ray starts idle worker processes for the driver's job at once, but every actor rlflow starts has a

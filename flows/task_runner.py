@@ -280,9 +280,13 @@ class TaskHost:
             return self._in_flight == 0 and not self._running and not self._waiters
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
+
+    def modules_changed(self) -> list[str]:
+        """Files of modules this host imported that changed on disk since it started (then it is not reused)."""
+        from rlworkers.loading import modules_changed_since_start
+
+        return modules_changed_since_start()
 
     def warm_up(self) -> None:
         """Open the Prefect client now, while the flow builds its worker groups, instead of in the first task."""
@@ -680,6 +684,13 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
                     (found,) = kept_processes.take("host", [self._host_key])
                     if found is not None:
                         self._host_item, self._host = found[0], cloudpickle.loads(found[1])
+                        try:  # one that runs older code is ended: a new one runs the code as it is now
+                            stale = bool(ray.get(self._host.modules_changed.remote(), timeout=30))
+                        except Exception:  # died since
+                            stale = True
+                        if stale:
+                            kept_processes.end([self._host_item])
+                            self._host_item, self._host = None, None
                 else:
                     self._host = _take_kept_host(self._host_key)
                 if self._host is None:

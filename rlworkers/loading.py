@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -64,3 +65,22 @@ def import_module_named(module_name: str) -> ModuleType:
         if e.name and module_name.startswith(e.name):  # the named module itself is missing, not its imports
             raise UserCodeNotFoundError(f"module {module_name!r} cannot be imported ({e})") from e
         raise
+
+
+def modules_changed_since_start() -> list[str]:
+    """The files of the modules this process imported that changed on disk after it started (a `git pull`, an edit,
+    a package upgraded): a process kept for another run (flows/kept.py) would run their old code, so it is not
+    reused then."""
+    import psutil
+
+    started = psutil.Process().create_time() + 2.0  # a start time read from /proc may be off by a second
+    changed = []
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and os.path.isabs(path):  # (torch's ``_ops.py`` and the like name no file)
+            try:
+                if os.stat(path).st_mtime > started:
+                    changed.append(path)
+            except OSError:  # removed: an upgrade; what replaced it, if anything, is newer
+                changed.append(path)
+    return changed

@@ -1,12 +1,14 @@
 """Runs of different processes in the local Ray of `rlflow server up` (the session's, tests/conftest.py): each
 `rlflow train` joins it, the next one builds its workers in the processes the one before kept (flows/kept.py) and
-trains exactly as in new ones; the processes a SIGKILLed run held are ended by the registry, with nothing left."""
+trains exactly as in new ones, unless code they imported changed on disk since; the processes a SIGKILLed run held
+are ended by the registry, with nothing left."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -14,6 +16,7 @@ import torch
 from rlflow_cli import rlflow, rlflow_in_background
 from safetensors.torch import load_file
 
+import rlworkers.workers.common
 from rlworkers.models.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -46,6 +49,18 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
     assert local_ray_workers(services) == kept  # the same processes, idle again
     weights = [load_file(tmp_path / name / "final_model" / "model.safetensors") for name in ("first", "second")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    # code the kept processes imported changed on disk (an edit, a `git pull`): the next run starts new ones
+    source = Path(rlworkers.workers.common.__file__)
+    stat = source.stat()
+    os.utime(source)
+    try:
+        rlflow("train", *common, "trainer.run_name=edited")
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    edited = local_ray_workers(services)
+    assert len(edited) == 3 and not set(edited) & set(kept), (edited, kept)
+    kept = edited
 
     # a run SIGKILLed (with its process group) while it trains in the kept processes: the registry ends them
     killed = rlflow_in_background("train", *common, "trainer.run_name=killed", "trainer.total_steps=400")

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 
+class StaleProcessError(RuntimeError):
+    """A worker process kept for reuse imported code that changed on disk since it started."""
+
+
 @dataclass(frozen=True)
 class WorkerProcess:
     """Where one rank of a worker group runs: enough to find its process and its log."""

@@ -139,6 +139,13 @@ class Worker:
         os.environ.update(env)
         type(self).__init__(self, *args, **kwargs)
 
+    def modules_changed(self) -> list[str]:
+        """Files of modules this process imported that changed on disk since it started: it is not reused then
+        (``RayWorkerGroup.reinitialize``), a new process runs the code as it is now."""
+        from rlworkers.loading import modules_changed_since_start
+
+        return modules_changed_since_start()
+
     @classmethod
     def env_keys(cls) -> list[str]:
         return list(_ENV_KEYS)

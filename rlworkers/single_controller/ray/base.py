@@ -34,7 +34,14 @@ from rlworkers.single_controller.base.decorator import (
 )
 from rlworkers.single_controller.base.worker import RENDEZVOUS_KEY_ENV
 from rlworkers.single_controller.base.worker_group import ClassWithInitArgs, WorkerGroup
-from rlworkers.single_controller.errors import PlacementError, StageTimeout, WorkerError, WorkerProcess, get_with_rank
+from rlworkers.single_controller.errors import (
+    PlacementError,
+    StageTimeout,
+    StaleProcessError,
+    WorkerError,
+    WorkerProcess,
+    get_with_rank,
+)
 from rlworkers.single_controller.futures import DataProtoFuture
 from rlworkers.single_controller.ray import progress
 from rlworkers.single_controller.ray.group_transport import reduce_group
@@ -559,7 +566,8 @@ class RayWorkerGroup(WorkerGroup):
     def reinitialize(self, ray_cls_with_init: RayClassWithInitArgs) -> None:
         """New workers of the same class, built with ``ray_cls_with_init``'s arguments in this group's processes
         (``Worker.reinitialize``): what ``RayWorkerGroup(pool, ray_cls_with_init)`` gives, without starting a
-        process or importing a module. Call ``init_model`` (or whatever sets the workers up) again."""
+        process or importing a module. Call ``init_model`` (or whatever sets the workers up) again. Raises
+        ``StaleProcessError`` when code a process imported changed on disk since it started (start new ones)."""
         if ray_cls_with_init.user_cls is not self.ray_cls_with_init.user_cls:
             raise ValueError(
                 f"reinitialize() builds workers of the group's class {self.ray_cls_with_init.user_cls.__name__}, "
@@ -567,6 +575,11 @@ class RayWorkerGroup(WorkerGroup):
             )
         from ray.experimental.internal_kv import _internal_kv_del
 
+        changed = sorted(
+            {path for paths in ray.get([w.modules_changed.remote() for w in self._workers]) for path in paths}
+        )
+        if changed:
+            raise StaleProcessError(f"code its processes imported changed on disk since: {', '.join(changed[:3])}")
         cls_name = ray_cls_with_init.user_cls.__name__
         self.ray_cls_with_init = ray_cls_with_init  # what restart() builds from
         self.name_prefix = f"{uuid.uuid4().hex[:6]}_"
