@@ -2,10 +2,13 @@
 where that time goes (the run's own ``timing_s/startup/*`` metrics, flows/startup.py; its steps; ``timing_s/publish``;
 the rest is the shutdown: workers released, the MLflow run closed, Ray stopped, the process's exit).
 
-Each job runs ``--repeat`` times (a new run name each time); the median of each phase is printed with its share of the
-median wall time. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git worktree` of an
-older commit) with this environment, for a before/after in one sitting: a checkout without the startup metrics shows
-its wall time only. The CPU's capability is printed beside the figures (they depend on it).
+Each job runs ``--repeat`` times in a Ray of its own (the baseline: no local Ray given), then, after one run that
+starts the processes, ``--repeat`` times in the local Ray of `rlflow server up` (flows/kept.py: each run takes the
+worker processes and task host the run before kept); the median of each phase is printed with its share of the
+median wall time, with the CPU seconds all processes used (this one's tree: the servers and the local Ray included),
+and the ratios local / own. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git
+worktree` of an older commit) with this environment, for a before/after in one sitting: a checkout without the
+startup metrics shows its wall time only. The CPU's capability is printed beside the figures (they depend on it).
 
     .venv/bin/python bench/startup.py [--jobs sft,grpo] [--repeat 3] [--source DIR]
 
@@ -63,12 +66,12 @@ def run_once(job: str, runs_dir: Path, source: Path, env: dict) -> dict[str, flo
     name = f"startup-{job}-{uuid.uuid4().hex[:6]}"
     command = [sys.executable, "-m", "flows.cli", "train", *JOBS[job]]
     command += [f"trainer.runs_dir={runs_dir}", f"trainer.run_name={name}"]
-    start = time.perf_counter()
+    cpu, start = tree_cpu_s(), time.perf_counter()
     done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return {"wall": wall, **phases_of(name)}
+    return {"wall": wall, "cpu": tree_cpu_s() - cpu, **phases_of(name)}
 
 
 def phases_of(run_name: str) -> dict[str, float]:
@@ -155,7 +158,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from flows.preflight import apply_service_env
-    from flows.services import ServiceConfig, start_services, stop_services
+    from flows.services import LOCAL_RAY, ServiceConfig, start_services, stop_services
 
     print(f"CPU: {cpu_description()}")
     with tempfile.TemporaryDirectory(prefix="rlflow-startup-") as tmp:
@@ -177,20 +180,30 @@ def main() -> None:
                     results = [(kept, run_in_process(job, Path(tmp) / "runs", not kept)) for kept in flags]
                     report_in_process(job, results)
                 return
-            source = args.source.resolve()
+            source, runs = args.source.resolve(), Path(tmp) / "runs"
             env = {**os.environ, "PYTHONPATH": str(source)}  # apply_service_env set the servers' URLs
+            own_ray = {k: v for k, v in env.items() if k != LOCAL_RAY}
             for job in args.jobs.split(","):
-                results = [run_once(job, Path(tmp) / "runs", source, env) for _ in range(args.repeat)]
-                report(job, results, source)
+                own = [run_once(job, runs, source, own_ray) for _ in range(args.repeat)]
+                report(job, own, source, "a Ray of its own (none given)")
+                run_once(job, runs, source, env)  # starts the processes the next runs take: left out
+                local = [run_once(job, runs, source, env) for _ in range(args.repeat)]
+                report(job, local, source, "the local Ray of `rlflow server up`, in the processes the last run kept")
+                ratios = ", ".join(
+                    f"{key} {statistics.median(r[key] for r in local) / statistics.median(r[key] for r in own):.2f}"
+                    for key in ("wall", "cpu")
+                )
+                print(f"  local Ray / own Ray: {ratios}")
         finally:
             stop_services(config)
 
 
-def report(job: str, results: list[dict[str, float]], source: Path) -> None:
+def report(job: str, results: list[dict[str, float]], source: Path, where: str) -> None:
     wall = statistics.median(r["wall"] for r in results)
-    print(f"\n`rlflow train {' '.join(JOBS[job])}` ({source}): {wall:.1f} s median of {len(results)}")
-    print("  walls: " + ", ".join(f"{r['wall']:.1f}" for r in results))
-    names = [k for k in results[0] if k != "wall"]
+    cpu = statistics.median(r["cpu"] for r in results)
+    print(f"\n`rlflow train {' '.join(JOBS[job])}` ({source}) in {where}: {wall:.1f} s median of {len(results)}")
+    print("  walls: " + ", ".join(f"{r['wall']:.1f}" for r in results) + f"; CPU of all processes {cpu:.1f} s")
+    names = [k for k in results[0] if k not in ("wall", "cpu")]
     if not names:
         print("  (no timing_s/startup metrics: code from before flows/startup.py)")
         return

@@ -13,6 +13,7 @@ import weakref
 
 from flows import kept as kept_processes
 from flows.config import RLConfig
+from rlworkers.single_controller.base.worker import WORKING_DIR_ENV
 from rlworkers.single_controller.errors import StaleProcessError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlworkers.storage import storage_env
@@ -46,7 +47,7 @@ def group_key(cls, n: int, use_gpu: bool, cpus_per_worker: float, env: dict[str,
 
     job = None if kept_processes.in_local_ray() else ray.get_runtime_context().get_job_id()
     env = {**_service_env(), **env}
-    return (job, cls.__module__, cls.__qualname__, n, use_gpu, cpus_per_worker, tuple(sorted(env.items())))
+    return (job, cls.__module__, cls.__qualname__, n, use_gpu, cpus_per_worker, kept_processes.digest(env))
 
 
 def take_kept_groups(keys: list[tuple]) -> list[RayWorkerGroup | None]:
@@ -357,8 +358,10 @@ def reap_orphaned_ray_agents() -> list[int]:
 
 def _service_env() -> dict[str, str]:
     """Environment every Ray worker (on every node) gets: where the services are, where the tiny model lives,
-    how to reach the object store."""
+    how to reach the object store, the working directory relative paths are relative to (a worker and the task host
+    start there: ``Worker.__init__``, ``TaskHost``)."""
     return {
+        WORKING_DIR_ENV: os.getcwd(),
         **{
             k: os.environ[k]
             for k in (

@@ -30,6 +30,15 @@ IDLE_S = 1800.0  # an idle group or host older than this is ended: its processes
 CHECK_EVERY_S = 5.0  # how often the registry looks for processes that died holding something
 
 
+def digest(value) -> str:
+    """A key's stand-in for ``value`` (an environment: it may hold the servers' credentials, which the registry is
+    not to hold)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def holder() -> tuple[int, float]:
     """This process as a holder of kept processes: its pid and start time (a pid alone may be reused)."""
     import psutil

@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import pickle
@@ -258,6 +257,8 @@ class TaskHost:
     def __init__(self, preload: tuple[str, ...] = ()):
         import importlib
 
+        if os.environ.get("RLFLOW_WORKING_DIR"):  # the flow's (flows/groups.py _service_env): relative paths
+            os.chdir(os.environ["RLFLOW_WORKING_DIR"])
         for module in preload:  # here, not in a method: no task thread runs before the constructor has finished
             importlib.import_module(module)
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
@@ -679,7 +680,7 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
                 node = ray.get_runtime_context().get_node_id()
                 in_local_ray = kept_processes.in_local_ray()  # kept there for any process's next run
                 job = None if in_local_ray else ray.get_runtime_context().get_job_id()
-                self._host_key = (job, node, self.preload, json.dumps(runtime_env, sort_keys=True, default=str))
+                self._host_key = (job, node, self.preload, kept_processes.digest(runtime_env))
                 if in_local_ray:
                     (found,) = kept_processes.take("host", [self._host_key])
                     if found is not None:

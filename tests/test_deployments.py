@@ -95,7 +95,7 @@ def test_a_deployment_run_starts_ray_as_its_config_asks(services, tmp_path):
         "import json, sys; from flows.sft import sft; "
         "print(sft(config=json.loads(sys.argv[1]), return_state=True).message)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLFLOW_LOCAL_RAY")}  # no Ray given
     env.update(
         PREFECT_API_URL=services["PREFECT_API_URL"],
         MLFLOW_TRACKING_URI=services["MLFLOW_TRACKING_URI"],

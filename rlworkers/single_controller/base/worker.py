@@ -33,6 +33,9 @@ RENDEZVOUS_KEY_ENV = "RLFLOW_RENDEZVOUS_KEY"
 # The environment this process started with (a group's worker: Ray's, plus the group's per-rank variables): where a
 # worker built again in the same process (``Worker.reinitialize``) starts from, whatever the one before changed.
 _PROCESS_ENV = dict(os.environ)
+# the controller's working directory, given to a worker that runs in a Ray started elsewhere (a local Ray that
+# outlives the runs, a cluster), where a process starts in the Ray's own directory
+WORKING_DIR_ENV = "RLFLOW_WORKING_DIR"
 
 
 def _node_ip() -> str:
@@ -92,6 +95,8 @@ class Worker:
     """Base class for workers. Outside a WorkerGroup it behaves as rank 0 of a world of 1."""
 
     def __init__(self, cuda_visible_devices: str | None = None):
+        if os.environ.get(WORKING_DIR_ENV):  # relative paths mean what they mean to the controller
+            os.chdir(os.environ[WORKING_DIR_ENV])
         self._rank = int(os.environ.get("RANK", 0))
         self._world_size = int(os.environ.get("WORLD_SIZE", 1))
         if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):  # every GPU is visible: pick Ray's
