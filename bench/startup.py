@@ -5,8 +5,8 @@ the rest is the shutdown: workers released, the MLflow run closed, Ray stopped, 
 Each job runs ``--repeat`` times in a Ray of its own (the baseline: no local Ray given), then, after one run that
 starts the processes, ``--repeat`` times in the local Ray of `rlflow server up` (flows/kept.py: each run takes the
 worker processes and task host the run before kept); the median of each phase is printed with its share of the
-median wall time, with the CPU seconds all processes used (this one's tree: the servers and the local Ray included),
-and the ratios local / own. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git
+median wall time, with the CPU seconds the machine was busy (run it on an otherwise idle machine), and the ratios
+local / own. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git
 worktree` of an older commit) with this environment, for a before/after in one sitting: a checkout without the
 startup metrics shows its wall time only. The CPU's capability is printed beside the figures (they depend on it).
 
@@ -66,12 +66,21 @@ def run_once(job: str, runs_dir: Path, source: Path, env: dict) -> dict[str, flo
     name = f"startup-{job}-{uuid.uuid4().hex[:6]}"
     command = [sys.executable, "-m", "flows.cli", "train", *JOBS[job]]
     command += [f"trainer.runs_dir={runs_dir}", f"trainer.run_name={name}"]
-    cpu, start = tree_cpu_s(), time.perf_counter()
+    cpu, start = machine_cpu_s(), time.perf_counter()
     done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return {"wall": wall, "cpu": tree_cpu_s() - cpu, **phases_of(name)}
+    return {"wall": wall, "cpu": machine_cpu_s() - cpu, **phases_of(name)}
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (every process: a run's own Ray is not under this process once
+    the run's process exited, the local Ray's processes are): a figure for an otherwise idle machine."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def phases_of(run_name: str) -> dict[str, float]:
@@ -202,7 +211,7 @@ def report(job: str, results: list[dict[str, float]], source: Path, where: str) 
     wall = statistics.median(r["wall"] for r in results)
     cpu = statistics.median(r["cpu"] for r in results)
     print(f"\n`rlflow train {' '.join(JOBS[job])}` ({source}) in {where}: {wall:.1f} s median of {len(results)}")
-    print("  walls: " + ", ".join(f"{r['wall']:.1f}" for r in results) + f"; CPU of all processes {cpu:.1f} s")
+    print("  walls: " + ", ".join(f"{r['wall']:.1f}" for r in results) + f"; machine CPU {cpu:.1f} s")
     names = [k for k in results[0] if k not in ("wall", "cpu")]
     if not names:
         print("  (no timing_s/startup metrics: code from before flows/startup.py)")
