@@ -13,6 +13,7 @@ import weakref
 
 from flows import kept as kept_processes
 from flows.config import RLConfig
+from flows.services import http_ok
 from rlworkers.single_controller.base.worker import WORKING_DIR_ENV
 from rlworkers.single_controller.errors import StaleProcessError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -403,8 +404,9 @@ def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None,
     Ray (it has its own resources: the local Ray's are `rlflow server up --ray-cpus`)."""
     address = address or os.environ.get("RAY_ADDRESS") or None
     init_kwargs = {"include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": _service_env()}}
-    if address is None and _answers(os.environ.get(kept_processes.LOCAL_RAY_ENV)):
-        address = os.environ[kept_processes.LOCAL_RAY_ENV]
+    local_ray = os.environ.get(kept_processes.LOCAL_RAY_ENV)
+    if address is None and local_ray and http_ok(f"tcp://{local_ray}", timeout=1.0):  # it is up
+        address = local_ray
         init_kwargs["namespace"] = kept_processes.NAMESPACE  # its kept (detached, named) actors outlive the job
     if address is None:
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
@@ -415,17 +417,3 @@ def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None,
     else:
         init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client
     return address, init_kwargs
-
-
-def _answers(address: str | None) -> bool:
-    """Whether something accepts connections at ``host:port`` (the local Ray's GCS), within a second."""
-    import socket
-
-    if not address:
-        return False
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return True
-    except (OSError, ValueError):
-        return False

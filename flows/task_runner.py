@@ -257,8 +257,10 @@ class TaskHost:
     def __init__(self, preload: tuple[str, ...] = ()):
         import importlib
 
-        if os.environ.get("RLFLOW_WORKING_DIR"):  # the flow's (flows/groups.py _service_env): relative paths
-            os.chdir(os.environ["RLFLOW_WORKING_DIR"])
+        from rlworkers.single_controller.base.worker import WORKING_DIR_ENV
+
+        if os.environ.get(WORKING_DIR_ENV):  # the flow's (flows/groups.py _service_env): relative paths
+            os.chdir(os.environ[WORKING_DIR_ENV])
         for module in preload:  # here, not in a method: no task thread runs before the constructor has finished
             importlib.import_module(module)
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
