@@ -4,7 +4,8 @@ Queues ``--runs`` short lineage runs (GRPO on the tiny model) on ``--deployments
 served by a plain ``prefect worker start --pool rlflow`` (not ``rlflow worker``: no backup restart loop), SIGKILLs
 the flow-run processes of ``--kills`` of them at a random moment of their first attempt (as the kernel's OOM
 killer would), keeps the
-server's database busy with API traffic (``--load-threads`` clients reading flow runs and writing artifacts), and
+server's database busy with API traffic (``--load-threads`` clients reading flow runs and writing artifacts, as fast as
+the server answers or ``--load-interval-s`` apart), and
 waits until every run is final. It prints, per run, its final state, its crashes and restarts and the seconds from
 each Crashed to its restart, and what the Prefect server logged about dead letters and its database.
 
@@ -104,8 +105,8 @@ def flow_run_processes() -> dict[str, psutil.Process]:
     return found
 
 
-def keep_database_busy(stop: threading.Event, counts: dict) -> None:
-    """API traffic beside the runs: list flow runs, write an artifact, again and again."""
+def keep_database_busy(stop: threading.Event, counts: dict, interval_s: float) -> None:
+    """API traffic beside the runs: list flow runs, write an artifact, again and again (``interval_s`` apart)."""
     from prefect.artifacts import create_markdown_artifact
     from prefect.client.orchestration import get_client
 
@@ -118,6 +119,7 @@ def keep_database_busy(stop: threading.Event, counts: dict) -> None:
             except Exception as error:  # what a busy server answers is part of the measurement
                 counts["errors"] += 1
                 counts["last_error"] = repr(error)[:200]
+            stop.wait(interval_s)
 
 
 def main() -> None:
@@ -131,6 +133,9 @@ def main() -> None:
     parser.add_argument("--runs-dir", default=str(ROOT / "runs"), help="trainer.runs_dir of the runs")
     parser.add_argument("--limit", type=int, default=2, help="flow runs at once (the worker's --limit)")
     parser.add_argument("--load-threads", type=int, default=2)
+    parser.add_argument(
+        "--load-interval-s", type=float, default=0.0, help="pause between a load thread's request pairs (0: none)"
+    )
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", default=str(ROOT / ".rlflow" / "logs" / "prefect.log"))
@@ -164,7 +169,8 @@ def main() -> None:
 
     stop, counts = threading.Event(), {"requests": 0, "errors": 0}
     load = [
-        threading.Thread(target=keep_database_busy, args=(stop, counts), daemon=True) for _ in range(args.load_threads)
+        threading.Thread(target=keep_database_busy, args=(stop, counts, args.load_interval_s), daemon=True)
+        for _ in range(args.load_threads)
     ]
     for thread in load:
         thread.start()

@@ -191,17 +191,18 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
 
 
-def test_a_local_run_does_not_join_a_cluster_it_was_not_given(cluster, tmp_path):
+def test_a_local_run_does_not_join_a_cluster_it_was_not_given(tmp_path):
     """A `ray start` on this machine with Ray's default temp dir leaves /tmp/ray/ray_current_cluster behind (and a
     killed one leaves it stale); Ray's ``ray.init()`` joins whatever it names. With trainer.ray_address unset,
-    `rlflow train` must start a Ray of its own instead of joining it and failing with Ray's "When connecting to an
-    existing cluster, num_cpus and num_gpus must not be provided" (the demo preset sets trainer.ray_num_cpus)."""
+    `rlflow train` must start a Ray of its own instead of joining it and failing (with Ray's "When connecting to an
+    existing cluster, num_cpus and num_gpus must not be provided" where one runs there, as the demo preset sets
+    trainer.ray_num_cpus; unable to connect where it is stale, as here)."""
     from ray._private.utils import get_ray_address_file
 
     address_file = Path(get_ray_address_file(None))
     saved = address_file.read_text() if address_file.exists() else None
     address_file.parent.mkdir(parents=True, exist_ok=True)
-    address_file.write_text(cluster["address"])  # what `ray start --head` (default temp dir) writes
+    address_file.write_text(f"127.0.0.1:{free_port()}")  # what a killed `ray start --head` (default temp dir) left
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLFLOW_LOCAL_RAY")}  # no Ray given
     try:
         done = subprocess.run(

@@ -1,7 +1,7 @@
 """Scheduling as a user runs it: `rlflow deploy` on a real Prefect server, a real process worker (`rlflow worker`),
-deployment runs triggered through the Prefect API; the tests run against the session's servers (SQLite) and
-again against servers on a private PostgreSQL cluster where the database makes a difference (the heartbeat
-automation; the worker's own restart and the manual approval on SQLite only, see below).
+deployment runs triggered through the Prefect API, in the servers' local Ray; the tests run against the session's
+servers (SQLite), and where the database makes a difference (the heartbeat automation) again on the PostgreSQL servers
+of tests/test_topology.py (the worker's own restart and the manual approval on SQLite only, see below).
 
 - two triggers of a lineage deployment, the first paused for manual approval longer than its lock's lease renewal:
   the second waits for the first (the lineage's lock, flows/run_lock.py), then starts from the first run's approved
@@ -16,10 +16,10 @@ automation; the worker's own restart and the manual approval on SQLite only, see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,23 +30,15 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from pg_cluster import private_postgres
 from safetensors.torch import load_file
+from test_local_ray import local_ray_workers
 
 from flows.config import flatten
 from flows.lineage import RunRecord, read_result
-from flows.preflight import apply_service_env
-from flows.services import ServiceConfig, start_services, stop_services
 from rlworkers.models.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Worker:
@@ -76,40 +68,18 @@ class Worker:
             self.process.wait(10)
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def servers(request, services, tmp_path_factory):
-    """The servers the module runs against, this process pointed at them: the session's (SQLite), then a pair on a
-    private PostgreSQL cluster (what a team runs)."""
-    if request.param == "sqlite":
-        yield services
-        return
-    with private_postgres() as cluster:
-        config = ServiceConfig(
-            state_dir=tmp_path_factory.mktemp("schedule-pg-home"),
-            prefect_port=free_port(),
-            mlflow_port=free_port(),
-            ray_port=free_port(),
-            postgres=cluster["url"],
-            startup_timeout_s=180,
-        )
-        urls = start_services(config)
-        apply_service_env(urls)
-        try:
-            yield urls
-        finally:
-            apply_service_env(services)
-            stop_services(config)
-
-
-@pytest.fixture(scope="module")
-def worker(servers, tmp_path_factory):
-    home = tmp_path_factory.mktemp("schedule")
-    # the deployment runs start a Ray of their own (as on a machine where `rlflow server up` runs elsewhere): the
-    # module tests that a killed run's Ray goes with it; runs killed in the local Ray: tests/test_local_ray.py
+@contextlib.contextmanager
+def deployment_worker(servers: dict, home: Path):
+    """`rlflow deploy` to ``servers`` and an `rlflow worker` serving their pool (this process pointed at them), as the
+    dict the tests read: the tiny model, the runs folder, the worker's log and process. Also tests/test_topology.py's,
+    on PostgreSQL."""
+    # the deployment runs join the servers' local Ray (`rlflow server up` beside `rlflow worker`, as a user runs them):
+    # each run trains in the worker processes the run before kept, and a killed run's are ended by the registry
     env = {
-        **{k: v for k, v in os.environ.items() if k != "RLFLOW_LOCAL_RAY"},
+        **os.environ,
         "PREFECT_API_URL": servers["PREFECT_API_URL"],
         "MLFLOW_TRACKING_URI": servers["MLFLOW_TRACKING_URI"],
+        "RLFLOW_LOCAL_RAY": servers["RLFLOW_LOCAL_RAY"],
         "PYTHONPATH": str(ROOT),
         "PREFECT_WORKER_QUERY_SECONDS": "2",  # an operator's setting (default 10 s): runs start sooner after a trigger
     }
@@ -120,13 +90,22 @@ def worker(servers, tmp_path_factory):
     assert "rlflow: restart crashed runs" in deployed.stdout
     process = Worker(env, home / "worker.log")
     process.start()
-    yield {
-        "model": str(ensure_tiny_model(home / "tiny")),
-        "runs": str(home / "runs"),
-        "log": home / "worker.log",
-        "process": process,
-    }
-    process.stop()
+    try:
+        yield {
+            "model": str(ensure_tiny_model(home / "tiny")),
+            "runs": str(home / "runs"),
+            "log": home / "worker.log",
+            "process": process,
+            "servers": servers,
+        }
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(services, tmp_path_factory):
+    with deployment_worker(services, tmp_path_factory.mktemp("schedule")) as found:
+        yield found
 
 
 def sft_params(worker, **trainer):
@@ -135,7 +114,7 @@ def sft_params(worker, **trainer):
             "model": {"path": worker["model"]},
             "data": {"train_batch_size": 16, "val_batch_size": 8},
             "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8, "optim": {"lr": 1.0e-3}},
-            "trainer": {"runs_dir": worker["runs"], "test_freq": 0, "log_samples": 0, "ray_num_cpus": 8, **trainer},
+            "trainer": {"runs_dir": worker["runs"], "test_freq": 0, "log_samples": 0, **trainer},
         }
     }
 
@@ -175,10 +154,9 @@ def wait_final(flow_run_id, worker, timeout_s: float = 420):
     )
 
 
-# On SQLite only: the pause, the lease and the resume are the same API calls on both databases, and a lineage on
-# PostgreSQL is tests/test_topology.py's; PostgreSQL's part here is the heartbeat automation (the last test).
-@pytest.mark.parametrize("servers", ["sqlite"], indirect=True)
-def test_a_lineage_trains_one_run_at_a_time_through_a_manual_approval(worker, servers):
+# On SQLite: the pause, the lease and the resume are the same API calls on both databases, and a lineage on
+# PostgreSQL is tests/test_topology.py's, as is the heartbeat automation there (the last test's, run on both).
+def test_a_lineage_trains_one_run_at_a_time_through_a_manual_approval(worker):
     """The deployment's run of a lineage pauses for a person's approval (trainer.promotion=manual) and is left
     paused longer than its lock's lease renewal period; `rlflow train` of the same lineage meanwhile waits instead of
     training. Approved through the API (what the UI's form sends), the first ends Completed and v1 is the champion;
@@ -197,7 +175,7 @@ def test_a_lineage_trains_one_run_at_a_time_through_a_manual_approval(worker, se
         assert time.monotonic() < deadline and not read_flow_run(first.id).state.is_final(), read_flow_run(first.id)
         time.sleep(1)
     overrides = [f"{key}={value}" for key, value in flatten(params["config"]).items() if key != "trainer.promotion"]
-    env = {key: servers[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env = {key: worker["servers"][key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     second = rlflow_in_background("train", "sft", *overrides, env=env)
     try:
         time.sleep(LEASE_S + 10)  # past the lease's renewal period (and its length): the paused run must keep it
@@ -251,7 +229,6 @@ def _flow_run_process(flow_run_id) -> psutil.Process | None:
 
 # On SQLite only: the restart by `rlflow worker` backs the automation up where its dropped trigger was seen; on
 # PostgreSQL the automation restarts killed runs by itself (tests/test_topology.py, under load), which is tested there.
-@pytest.mark.parametrize("servers", ["sqlite"], indirect=True)
 def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
@@ -264,16 +241,17 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     restart.disable()
     try:
         clean = trigger(sft_params(worker, run_name=f"clean-{uid}", **steps))
-        killed = trigger(sft_params(worker, run_name=f"killed-{uid}", **steps))
         assert wait_final(clean.id, worker).state.is_completed()
+        killed = trigger(sft_params(worker, run_name=f"killed-{uid}", **steps))  # in the processes clean kept
         # Found before the checkpoint appears, so that the kill follows it at once: the 30 steps after it take
         # only seconds, and a late kill would find the run finished.
         engine = _wait_for_flow_run_process(killed.id)
         wait_for_checkpoint(worker, f"killed-{uid}", 10)
-        attempt = [engine, *engine.children(recursive=True)]
-        runs_its_ray = any("raylet" in p.name() for p in attempt)
+        trained_in = local_ray_workers(worker["servers"])  # the worker processes and task host the attempt holds
+        attempt = [engine, *engine.children(recursive=True), *map(psutil.Process, trained_in)]
         engine.send_signal(signal.SIGKILL)
-        assert runs_its_ray, "the attempt's local Ray should run under its process"
+        kinds = {name.split(".")[0] for name in trained_in.values()}  # (titled by the method each runs now)
+        assert kinds == {"ray::ActorRolloutRefWorker", "ray::TaskHost"}, trained_in
         final = wait_final(killed.id, worker, timeout_s=480)
     finally:
         restart.enable()
@@ -296,6 +274,8 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     clean_weights = load_file(f"{worker['runs']}/clean-{uid}/final_model/model.safetensors")
     killed_weights = load_file(f"{worker['runs']}/killed-{uid}/final_model/model.safetensors")
     assert all(torch.equal(clean_weights[k], killed_weights[k]) for k in clean_weights)
+    # no process of the dead attempt survives: its own, and those it trained in in the local Ray (the registry ended
+    # them; the new attempt trained in new ones)
     survivors = [p for p in attempt if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, [(p.pid, p.name(), json.dumps(p.cmdline()[:3])) for p in survivors]
 
@@ -310,14 +290,17 @@ def _wait_for_flow_run_process(flow_run_id, timeout_s: float = 120) -> psutil.Pr
 
 def test_run_lost_with_its_worker_is_marked_crashed_restarted_and_capped(worker):
     """The worker and the flow run die together (a machine going away): only the heartbeats can tell. With
-    trainer.max_crash_restarts=0 the restarted attempt must end Failed, saying why, instead of training."""
+    trainer.max_crash_restarts=0 the restarted attempt must end Failed, saying why, instead of training. (On
+    PostgreSQL too: tests/test_topology.py.)"""
+    check_run_lost_with_its_worker(worker)
+
+
+def check_run_lost_with_its_worker(worker) -> None:
     uid = uuid.uuid4().hex[:6]
     lost = trigger(
-        sft_params(
-            worker, run_name=f"lost-{uid}", total_steps=400, save_freq=100, max_crash_restarts=0, log_model=False
-        )
+        sft_params(worker, run_name=f"lost-{uid}", total_steps=400, save_freq=10, max_crash_restarts=0, log_model=False)
     )
-    wait_for_checkpoint(worker, f"lost-{uid}", 100)
+    wait_for_checkpoint(worker, f"lost-{uid}", 10)  # training, its heartbeats sent (the first one at its start)
     engine = _flow_run_process(lost.id)
     worker["process"].stop(signal.SIGKILL)  # the worker's session: the worker and the flow-run process
     # SIGKILL is delivered at once but a process with a few GiB mapped takes a moment to exit on a busy machine

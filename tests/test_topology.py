@@ -2,7 +2,8 @@
 MLflow's tracking server on a real PostgreSQL (a private cluster this module starts with Debian's postgresql
 binaries) with MLflow's artifacts in an S3-compatible store (moto's server); a lineage of two `rlflow train` runs
 then keeps its flow runs in Prefect's database, its runs and model versions in MLflow's, its models and eval tables
-in the bucket, and the second run starts from `models:/<lineage>@champion` downloaded from there.
+in the bucket, and the second run starts from `models:/<lineage>@champion` downloaded from there. On the same servers:
+killed deployment runs restarted under API load, and a run lost with its worker found by the heartbeat automation.
 
 Needs PostgreSQL's server binaries (`apt-get install postgresql`; `.ci/run` installs it) and root or the postgres
 user to run them; skips with that hint otherwise.
@@ -128,16 +129,17 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
     """bench/restarts_under_load.py, bounded: 2 lineage runs on 2 deployments served by a plain
     `prefect worker start` (no rlflow restart loop) at once, one of them SIGKILLed in its first attempt while an API
     client keeps the PostgreSQL-backed server busy. The killed run is restarted by the automation and completes; no
-    run is left Crashed or Running, and the server dead-letters no event. (The bench's defaults, 20 runs with 8 kills,
-    are the measurement in docs/; here the suite's CPU is shared, so the smallest case that still overlaps a restart
-    with another run and with API traffic.)"""
+    run is left Crashed or Running, and the server dead-letters no event. (The bench's defaults, 20 runs with 8 kills
+    and API traffic as fast as the server answers, are the measurement in docs/; here the suite's CPU is shared, so the
+    smallest case that still overlaps a restart with another run and with API traffic: two requests every 0.5 s,
+    where a client with no pause took about a core of the 2-core machine from the rest of the suite.)"""
     servers = {key: team_services[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
     out = tmp_path / "restarts.json"
     server_log = Path(team_services["env_file"]).parent / "logs" / "prefect.log"
     done = subprocess.run(
         [sys.executable, "bench/restarts_under_load.py", "--runs", "2", "--deployments", "2", "--kills", "1",
-         "--limit", "2", "--load-threads", "1", "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"),
-         "--server-log", str(server_log), "--out", str(out)],
+         "--limit", "2", "--load-threads", "1", "--load-interval-s", "0.5", "--timeout-s", "900",
+         "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log), "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], env={**os.environ, **servers, "PREFECT_WORKER_QUERY_SECONDS": "2"},
         capture_output=True, text=True,
         timeout=1200,
@@ -147,5 +149,19 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
     summary, runs = result["summary"], result["runs"]
     assert summary["completed"] == 2 and summary["not_final"] == 0, runs
     assert summary["killed"] == 1 and summary["killed_then_completed"] == 1, runs
+    assert summary["load_requests"] > 0, summary  # the API traffic ran beside the runs
     assert summary["crashes_never_restarted"] == 0 and summary["dead_letters_in_server_log"] == 0, summary
     assert all(row["restarted_by"] == ["automation"] for row in runs if row["killed"]), runs
+
+
+def test_run_lost_with_its_worker_on_postgresql_is_marked_crashed_restarted_and_capped(
+    team_services, tmp_path, monkeypatch
+):
+    """tests/test_schedule.py's lost worker on the team's servers: where the heartbeat automation's events live in
+    PostgreSQL. (Last in the module: its `rlflow worker` serves the pool the bench above serves with its own.)"""
+    from test_schedule import check_run_lost_with_its_worker, deployment_worker
+
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY"):  # the test's API calls too
+        monkeypatch.setenv(key, team_services[key])
+    with deployment_worker(team_services, tmp_path) as worker:
+        check_run_lost_with_its_worker(worker)
