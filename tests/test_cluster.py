@@ -191,7 +191,7 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
     assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
 
 
-def test_a_local_run_does_not_join_a_cluster_it_was_not_given(tmp_path):
+def test_a_local_run_does_not_join_a_cluster_it_was_not_given(services, tmp_path):
     """A `ray start` on this machine with Ray's default temp dir leaves /tmp/ray/ray_current_cluster behind (and a
     killed one leaves it stale); Ray's ``ray.init()`` joins whatever it names. With trainer.ray_address unset,
     `rlflow train` must start a Ray of its own instead of joining it and failing (with Ray's "When connecting to an

@@ -132,14 +132,16 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
     run is left Crashed or Running, and the server dead-letters no event. (The bench's defaults, 20 runs with 8 kills
     and API traffic as fast as the server answers, are the measurement in docs/; here the suite's CPU is shared, so the
     smallest case that still overlaps a restart with another run and with API traffic: two requests every 0.5 s,
-    where a client with no pause took about a core of the 2-core machine from the rest of the suite.)"""
+    where a client with no pause took about a core of the 2-core machine from the rest of the suite; the kill 2-8 s
+    into the attempt, as its 6 steps in the kept processes of the local Ray can take under 20 s.)"""
     servers = {key: team_services[key] for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
     out = tmp_path / "restarts.json"
     server_log = Path(team_services["env_file"]).parent / "logs" / "prefect.log"
     done = subprocess.run(
         [sys.executable, "bench/restarts_under_load.py", "--runs", "2", "--deployments", "2", "--kills", "1",
-         "--limit", "2", "--load-threads", "1", "--load-interval-s", "0.5", "--timeout-s", "900",
-         "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log), "--out", str(out)],
+         "--limit", "2", "--load-threads", "1", "--load-interval-s", "0.5", "--kill-after-s", "2", "8",
+         "--timeout-s", "900", "--runs-dir", str(tmp_path / "runs"), "--server-log", str(server_log),
+         "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], env={**os.environ, **servers, "PREFECT_WORKER_QUERY_SECONDS": "2"},
         capture_output=True, text=True,
         timeout=1200,
