@@ -11,18 +11,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# `make test` runs the suite in two processes (pytest-xdist, `-n 2`): about half the suite's time is spent waiting
-# (for servers, heartbeats, leases, process starts), not computing. Each module stays whole in one process (its
-# module fixtures are built once), and the modules that load SmolLM2 or start vLLM engines share one group, so no two
-# of them hold several GiB at once: the scheduler below. (xdist's own `--dist loadgroup` marks do not reach its
+# `make test` runs the suite in two processes (pytest-xdist, `-n 2`): while one waits (for servers, heartbeats, leases,
+# process starts), the other computes, and the 2-core machine stays ~95% busy. Each module stays whole in one process
+# (its module fixtures are built once), and the modules that load SmolLM2 or start vLLM engines share one group, so no
+# two of them hold several GiB at once: the scheduler below. (xdist's own `--dist loadgroup` marks do not reach its
 # scheduler under pytest 9, which no longer reads the node id xdist rewrites.) The longest groups start first
-# (minutes on the 2-core CI machine: schedule 18, promotion 12, smollm2-vllm ~15, flows 11, topology 8, cluster 7.5).
+# (test-minutes in `make test` on the 2-core CI machine, 2026-11-28: smollm2-vllm ~25, promotion 14.5, cluster ~14,
+# flows 12, topology ~10, schedule ~10, training 8).
 HEAVY_MEMORY = {"test_agent_rollouts", "test_readme_agents", "test_real_model", "test_real_model_training",
                 "test_vllm_rollout", "test_lora"}  # fmt: skip
-LONGEST_FIRST = ["smollm2-vllm", "test_schedule", "test_promotion", "test_flows", "test_topology", "test_cluster",
-                 "test_training", "test_publish_crashes", "test_lineage", "test_readme", "test_server_auth",
-                 "test_single_controller", "test_single_controller_verl_parity", "test_benches",
-                 "test_object_store"]  # fmt: skip
+LONGEST_FIRST = ["smollm2-vllm", "test_promotion", "test_cluster", "test_flows", "test_topology", "test_schedule",
+                 "test_training", "test_publish_crashes", "test_readme", "test_local_ray", "test_lineage",
+                 "test_single_controller_verl_parity", "test_stop_signals", "test_server_auth",
+                 "test_single_controller", "test_benches", "test_object_store"]  # fmt: skip
 
 
 def suite_group(nodeid: str) -> str:
