@@ -16,14 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # (its module fixtures are built once), and the modules that load SmolLM2 or start vLLM engines share one group, so no
 # two of them hold several GiB at once: the scheduler below. (xdist's own `--dist loadgroup` marks do not reach its
 # scheduler under pytest 9, which no longer reads the node id xdist rewrites.) The longest groups start first
-# (test-minutes in `make test` on the 2-core CI machine, 2026-11-28: smollm2-vllm ~25, promotion 14.5, cluster ~14,
-# flows 12, topology ~10, schedule ~10, training 8).
+# (test-minutes in `make test` on the 2-core CI machine, 2026-11-28: smollm2-vllm ~25, promotion 15, flows 13, cluster
+# 12.5, schedule 12.4, topology 8). The SmolLM2 group starts beside test_schedule, whose tests mostly wait on servers:
+# beside the promotion module's training (2026-11-28 19:08) its runs took twice as long and one failed inside CPython
+# ("... returned a result with an exception set"; memory is the likely cause, not confirmed).
 HEAVY_MEMORY = {"test_agent_rollouts", "test_readme_agents", "test_real_model", "test_real_model_training",
                 "test_vllm_rollout", "test_lora"}  # fmt: skip
-LONGEST_FIRST = ["smollm2-vllm", "test_promotion", "test_cluster", "test_flows", "test_topology", "test_schedule",
-                 "test_training", "test_publish_crashes", "test_readme", "test_local_ray", "test_lineage",
-                 "test_single_controller_verl_parity", "test_stop_signals", "test_server_auth",
-                 "test_single_controller", "test_benches", "test_object_store"]  # fmt: skip
+LONGEST_FIRST = ["smollm2-vllm", "test_schedule", "test_promotion", "test_flows", "test_topology", "test_cluster",
+                 "test_training", "test_publish_crashes", "test_lineage", "test_readme", "test_local_ray",
+                 "test_server_auth", "test_single_controller", "test_single_controller_verl_parity", "test_benches",
+                 "test_object_store"]  # fmt: skip
 
 
 def suite_group(nodeid: str) -> str:
@@ -59,15 +61,37 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+SESSION_SERVICES: dict = {}  # the `services` fixture's, once it started them
+
+
 @pytest.fixture(scope="module", autouse=True)
 def end_kept_worker_groups():
     """The worker groups a module's flow runs kept (flows/groups.py) end with the module: a module finds no worker
-    processes of another's (its tests may count them), while the runs of one module reuse each other's."""
+    processes of another's (its tests may count them), while the runs of one module reuse each other's. Those of
+    this process's flows, and the idle ones the module's `rlflow` commands kept in the session's local Ray."""
     yield
+    import contextlib
+    import subprocess
     import sys
+
+    import psutil
 
     if "flows.groups" in sys.modules:
         sys.modules["flows.groups"].end_kept_groups()
+    ray_pid = SESSION_SERVICES.get("ray_pid")
+    if not ray_pid or not psutil.pid_exists(ray_pid):
+        return
+    names = []
+    for process in psutil.Process(ray_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            names.append((process.cmdline() or [""])[0])  # Ray's title: ray::<class>[.<method>]
+    if any(name.startswith("ray::") and ("Worker" in name or "TaskHost" in name) for name in names):
+        script = (
+            "import os, ray\nfrom flows import kept\nkept.use_token_authentication()\n"
+            "ray.init(address=os.environ[kept.LOCAL_RAY_ENV], namespace=kept.NAMESPACE, log_to_driver=False)\n"
+            "kept.end_idle()\n"
+        )
+        subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120, capture_output=True)
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +135,9 @@ def services(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
     urls = start_services(config)
     apply_service_env(urls)
+    SESSION_SERVICES.update(urls)
     yield urls
+    SESSION_SERVICES.clear()
     stop_services(config)
     for key, value in saved.items():
         if value is None:

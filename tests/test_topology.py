@@ -157,13 +157,17 @@ def test_killed_runs_come_back_with_a_plain_prefect_worker_under_load(team_servi
 
 
 def test_run_lost_with_its_worker_on_postgresql_is_marked_crashed_restarted_and_capped(
-    team_services, tmp_path, monkeypatch
+    services, team_services, tmp_path
 ):
     """tests/test_schedule.py's lost worker on the team's servers: where the heartbeat automation's events live in
     PostgreSQL. (Last in the module: its `rlflow worker` serves the pool the bench above serves with its own.)"""
     from test_schedule import check_run_lost_with_its_worker, deployment_worker
 
-    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY"):  # the test's API calls too
-        monkeypatch.setenv(key, team_services[key])
-    with deployment_worker(team_services, tmp_path) as worker:
-        check_run_lost_with_its_worker(worker)
+    from flows.preflight import apply_service_env
+
+    apply_service_env(team_services)  # the test's own API calls too (Prefect's settings refreshed)
+    try:
+        with deployment_worker(team_services, tmp_path) as worker:
+            check_run_lost_with_its_worker(worker)
+    finally:
+        apply_service_env(services)
