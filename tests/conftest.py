@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # scheduler under pytest 9, which no longer reads the node id xdist rewrites.) The longest groups start first
 # (test-minutes in `make test` on the 2-core CI machine, 2026-11-28: smollm2-vllm ~25, promotion 15, flows 13, cluster
 # 12.5, schedule 12.4, topology 8). The SmolLM2 group starts beside test_schedule, whose tests mostly wait on servers:
-# beside the promotion module's training (2026-11-28 19:08) its runs took twice as long and one failed inside CPython
-# ("... returned a result with an exception set"; memory is the likely cause, not confirmed).
+# beside the promotion module's training (2026-11-28 19:08) its runs took about twice as long and the killed-and-resumed
+# agent run passed pytest-timeout's 600 s.
 HEAVY_MEMORY = {"test_agent_rollouts", "test_readme_agents", "test_real_model", "test_real_model_training",
                 "test_vllm_rollout", "test_lora"}  # fmt: skip
 LONGEST_FIRST = ["smollm2-vllm", "test_schedule", "test_promotion", "test_flows", "test_topology", "test_cluster",

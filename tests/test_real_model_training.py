@@ -183,6 +183,7 @@ AGENT = (  # several turns: "wrong, try again" from the environment, and a calcu
 )
 
 
+@pytest.mark.timeout(1200)  # three SmolLM2 agent runs: 332 s in the suite, over 600 s beside other training
 def test_agent_run_on_verl_data_killed_and_resumed_matches_a_straight_one(verl_job):
     """An agent run (several turns, an environment and a tool) on a verl-layout parquet with a verl reward file:
     it trains with no conversion; one killed (SIGKILL of its process group) after its step-1 checkpoint and started
