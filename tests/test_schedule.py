@@ -70,9 +70,9 @@ class Worker:
 
 @contextlib.contextmanager
 def deployment_worker(servers: dict, home: Path):
-    """`rlflow deploy` to ``servers`` and an `rlflow worker` serving their pool (this process pointed at them), as the
-    dict the tests read: the tiny model, the runs folder, the worker's log and process. Also tests/test_topology.py's,
-    on PostgreSQL."""
+    """`rlflow deploy` to ``servers`` and an `rlflow worker` serving their pool, as the dict the tests read: the tiny
+    model, the runs folder, the worker's log and process (the caller points this process's clients at ``servers``).
+    Also tests/test_topology.py's, on PostgreSQL."""
     # the deployment runs join the servers' local Ray (`rlflow server up` beside `rlflow worker`, as a user runs them):
     # each run trains in the worker processes the run before kept, and a killed run's are ended by the registry
     env = {
