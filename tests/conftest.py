@@ -70,7 +70,6 @@ def end_kept_worker_groups():
     processes of another's (its tests may count them), while the runs of one module reuse each other's. Those of
     this process's flows, and the idle ones the module's `rlflow` commands kept in the session's local Ray."""
     yield
-    import contextlib
     import subprocess
     import sys
 
@@ -81,11 +80,9 @@ def end_kept_worker_groups():
     ray_pid = SESSION_SERVICES.get("ray_pid")
     if not ray_pid or not psutil.pid_exists(ray_pid):
         return
-    names = []
-    for process in psutil.Process(ray_pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            names.append((process.cmdline() or [""])[0])  # Ray's title: ray::<class>[.<method>]
-    if any(name.startswith("ray::") and ("Worker" in name or "TaskHost" in name) for name in names):
+    from rlflow_cli import local_ray_workers
+
+    if local_ray_workers(ray_pid):
         script = (
             "import os, ray\nfrom flows import kept\nkept.use_token_authentication()\n"
             "ray.init(address=os.environ[kept.LOCAL_RAY_ENV], namespace=kept.NAMESPACE, log_to_driver=False)\n"

@@ -1,5 +1,5 @@
 """`rlflow ...` as a user types it: the CLI in a process of its own (so its own Ray), from the project root, with a
-wide terminal (rich tables keep whole lines)."""
+wide terminal (rich tables keep whole lines); and the worker processes such commands keep in a local Ray."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,3 +42,18 @@ def rlflow_in_background(*args: str, env: dict | None = None) -> subprocess.Pope
         text=True,
         start_new_session=True,
     )
+
+
+def local_ray_workers(ray_pid: int) -> dict[int, str]:
+    """pid -> Ray's title (``ray::<class>``, with ``.<method>`` while it runs one) of rlflow's worker actors and task
+    hosts in the local Ray whose `ray start` process is ``ray_pid``, now."""
+    found = {}
+    for process in psutil.Process(ray_pid).children(recursive=True):
+        try:
+            name = process.name()
+            rlflow_actor = name.startswith("ray::TaskHost") or (name.startswith("ray::") and "Worker" in name)
+            if rlflow_actor and process.status() != psutil.STATUS_ZOMBIE:
+                found[process.pid] = name
+        except psutil.NoSuchProcess:
+            continue
+    return found

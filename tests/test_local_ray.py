@@ -13,26 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from rlflow_cli import rlflow, rlflow_in_background
+from rlflow_cli import local_ray_workers, rlflow, rlflow_in_background
 from safetensors.torch import load_file
 
 import rlworkers.workers.common
 from rlworkers.models.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow
-
-
-def local_ray_workers(services) -> dict[int, str]:
-    """pid -> name of the worker processes (rlflow's actors) of the local Ray now."""
-    found = {}
-    for process in psutil.Process(services["ray_pid"]).children(recursive=True):
-        try:
-            name = process.name()
-            if name.startswith(("ray::ActorRolloutRefWorker", "ray::TaskHost")) and process.status() != "zombie":
-                found[process.pid] = name
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed_ones_are_ended(services, tmp_path):
@@ -42,11 +29,11 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
               "trainer.n_workers=2"]  # fmt: skip
     first = rlflow("train", *common, "trainer.run_name=first")
     assert "Joining the local Ray of `rlflow server up`" in first.stdout + first.stderr
-    kept = local_ray_workers(services)
+    kept = local_ray_workers(services["ray_pid"])
     assert sorted(kept.values()) == ["ray::ActorRolloutRefWorker"] * 2 + ["ray::TaskHost"], kept
 
     rlflow("train", *common, "trainer.run_name=second")
-    assert local_ray_workers(services) == kept  # the same processes, idle again
+    assert local_ray_workers(services["ray_pid"]) == kept  # the same processes, idle again
     weights = [load_file(tmp_path / name / "final_model" / "model.safetensors") for name in ("first", "second")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
@@ -58,7 +45,7 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
         rlflow("train", *common, "trainer.run_name=edited")
     finally:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    edited = local_ray_workers(services)
+    edited = local_ray_workers(services["ray_pid"])
     assert len(edited) == 3 and not set(edited) & set(kept), (edited, kept)
     kept = edited
 
@@ -69,15 +56,15 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
     while not checkpoint.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
     time.sleep(3)  # training
-    assert set(local_ray_workers(services)) == set(kept)  # (named by the method each runs now)
+    assert set(local_ray_workers(services["ray_pid"])) == set(kept)  # (named by the method each runs now)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(30)
     gone = psutil.wait_procs([psutil.Process(pid) for pid in kept if psutil.pid_exists(pid)], timeout=60)[1]
     assert not gone, [p.pid for p in gone]
-    assert local_ray_workers(services) == {}
+    assert local_ray_workers(services["ray_pid"]) == {}
 
     last = rlflow("train", *common, "trainer.run_name=after")  # new processes, same numbers
     assert "Joining the local Ray" in last.stdout + last.stderr
     after = load_file(tmp_path / "after" / "final_model" / "model.safetensors")
     assert all(torch.equal(weights[0][k], after[k]) for k in after)
-    assert not set(local_ray_workers(services)) & set(kept)
+    assert not set(local_ray_workers(services["ray_pid"])) & set(kept)

@@ -30,8 +30,8 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from rlflow_cli import local_ray_workers
 from safetensors.torch import load_file
-from test_local_ray import local_ray_workers
 
 from flows.config import flatten
 from flows.lineage import RunRecord, read_result
@@ -247,7 +247,8 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
         # only seconds, and a late kill would find the run finished.
         engine = _wait_for_flow_run_process(killed.id)
         wait_for_checkpoint(worker, f"killed-{uid}", 10)
-        trained_in = local_ray_workers(worker["servers"])  # the worker processes and task host the attempt holds
+        # the worker processes and task host the attempt holds
+        trained_in = local_ray_workers(worker["servers"]["ray_pid"])
         attempt = [engine, *engine.children(recursive=True), *map(psutil.Process, trained_in)]
         engine.send_signal(signal.SIGKILL)
         kinds = {name.split(".")[0] for name in trained_in.values()}  # (titled by the method each runs now)
