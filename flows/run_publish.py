@@ -42,10 +42,12 @@ def publish(run) -> dict:
     run.tracker.set_tags({"rlflow.data_cursor": json.dumps(cursor)})
     path = f"{run.root}/final_model"
     run.groups["actor"].save_model(path)  # with actor.lora: the adapter on its pinned base
+    write_model_card(run, path)
     run.tracker.set_tags({"final_model_path": path})
     if run.config.actor.lora.publish_merged:
         merged = f"{run.root}/final_model_merged"
         run.groups["actor"].save_model(merged, merged=True)
+        write_model_card(run, merged)
         run.tracker.set_tags({"final_merged_model_path": merged})
         if run.config.trainer.log_model:
             info = run.tracker.log_model(merged, name="merged_model")
@@ -63,6 +65,28 @@ def publish(run) -> dict:
     run.tracker.finish("FINISHED")  # before result.json: a run marked complete is one the lineage can continue
     lineage.write_result(run.root, result)
     return result
+
+
+def write_model_card(run, folder: str) -> None:
+    """The saved model's ``README.md``: a Hugging Face model card with the license and base model of the run's start
+    model (``model_card_data``) and how it was trained. MLflow logs it with the model; without one, MLflow looks the
+    folder up on the model hub and warns that it found neither a card nor a license."""
+    import fsspec
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from rlworkers.models.loading import model_card_data
+
+    config = run.config
+    data = ModelCardData(
+        library_name="transformers", pipeline_tag="text-generation", tags=["rlflow", run.algorithm],
+        **model_card_data(config.model.path),
+    )  # fmt: skip
+    card = ModelCard(
+        f"---\n{data.to_yaml()}\n---\n\n# {config.trainer.run_name}\n\n{run.algorithm} with rlflow for "
+        f"{config.trainer.total_steps} steps, from `{config.model.path}`.\n"
+    )
+    with fsspec.open(f"{folder}/README.md", "w", encoding="utf-8") as file:
+        file.write(str(card))
 
 
 def log_final_model(run, path: str) -> dict:

@@ -14,6 +14,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -117,6 +118,7 @@ class Tracker:
         """
         from importlib.metadata import version
 
+        from huggingface_hub import ModelCard
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlworkers.models.lora import is_adapter_folder
@@ -126,12 +128,15 @@ class Tracker:
         with local_dir(model_dir) as folder:  # s3://... runs_dir: a temporary local copy
             model = AutoModelForCausalLM.from_pretrained(folder)
             tokenizer = AutoTokenizer.from_pretrained(folder)
+            readme = Path(folder) / "README.md"  # the model card (flows/run_publish.py), license and base model
+            model_card = ModelCard.load(readme) if readme.is_file() else None
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
                 name=name,
                 task="text-generation",
                 registered_model_name=register_as,
+                model_card=model_card,
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "transformers", "tokenizers", "safetensors")],
             )
         self.client.update_run(self.run_id, status="RUNNING")  # start_run's end marked it FINISHED: not yet

@@ -16,6 +16,7 @@ import torch
 from rlworkers.data import PromptDataLoader, ensure_addition_dataset, load_prompt_dataset, make_addition_dataset
 from rlworkers.data.batching import TokenCache, decode_responses, left_pad, prompt_batch, sft_batch
 from rlworkers.models import create_tiny_model, ensure_tiny_model, load_model_and_tokenizer
+from rlworkers.models.loading import model_card_data
 from rlworkers.protocol import DataProto
 from rlworkers.rewards import (
     compute_scores,
@@ -114,6 +115,18 @@ def test_workers_and_flows_import_without_scikit_learn_or_scipy_optimize():
         "assert not in_flows, in_flows[:3]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_trained_model_inherits_its_start_models_license_and_base(tmp_path, tiny_dir):
+    """What flows/run_publish.py writes into a final model's card (MLflow logs the card with the model)."""
+    assert model_card_data("tiny") == model_card_data(f"tiny:{tiny_dir}") == {"license": "apache-2.0"}
+    smollm2 = {"license": "apache-2.0", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert model_card_data("smollm2-135m-instruct") == smollm2
+    trained = tmp_path / "final_model"  # a model rlflow trained carries its card on to the next run
+    trained.mkdir()
+    (trained / "README.md").write_text("---\nlicense: mit\nbase_model: org/base\ntags: [rlflow]\n---\n# v1\n")
+    assert model_card_data(trained) == {"license": "mit", "base_model": "org/base"}
+    assert model_card_data(tmp_path / "no-card") == model_card_data("org/hub-name") == {}
 
 
 def test_unknown_dtype_is_rejected(tiny_dir):

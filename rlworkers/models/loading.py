@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 TINY_MODEL_NAME = "tiny"
 TINY_MODEL_DIR_ENV = "RLFLOW_TINY_MODEL_DIR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What a model trained from a named model inherits in its model card: the tiny model's random weights are made here
+# (rlflow's license); SmolLM2-135M-Instruct is Hugging Face's, Apache-2.0.
+NAMED_MODEL_CARDS = {
+    TINY_MODEL_NAME: {"license": "apache-2.0"},
+    SMOLLM2_MODEL_NAME: {"license": "apache-2.0", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+}
 
 
 def default_tiny_model_dir() -> Path:
@@ -65,6 +71,26 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     if is_remote(name):
         return cached_copy(name)
     return name
+
+
+def model_card_data(name_or_path: str | os.PathLike) -> dict:
+    """The license and base model that a model trained from ``name_or_path`` inherits in its model card: those of
+    a named model (``tiny``, ``smollm2-135m-instruct``, or its default folder), else those in the folder's
+    ``README.md`` (a Hugging Face model card, on any fsspec path); {} when it has none."""
+    import fsspec
+    from huggingface_hub import ModelCard
+
+    name = os.fspath(name_or_path)
+    prefix = name.split(":", 1)[0]  # tiny:DIR, smollm2-135m-instruct:DIR
+    named = prefix if prefix in NAMED_MODEL_CARDS else (None if is_remote(name) else named_model(name))
+    if named:
+        return dict(NAMED_MODEL_CARDS[named])
+    try:
+        with fsspec.open(f"{name.rstrip('/')}/README.md", "r", encoding="utf-8") as file:
+            data = ModelCard(file.read()).data.to_dict()
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {key: data[key] for key in ("license", "base_model") if data.get(key)}
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
