@@ -169,8 +169,8 @@ def test_grpo_flow_end_to_end(env):
     model = mlflow.transformers.load_model(run.data.tags["final_model_uri"], return_type="components")
     assert model["model"].config.hidden_size == 256
     # its model card (the final model's README.md): the start model's license, so MLflow asks no hub for one
-    card = mlflow.artifacts.download_artifacts(f"{run.data.tags['final_model_uri']}/model_card_data.yaml")
-    assert yaml.safe_load(Path(card).read_text())["license"] == "apache-2.0"
+    logged = Path(mlflow.artifacts.download_artifacts(run.data.tags["final_model_uri"]))
+    assert yaml.safe_load((logged / "model_card_data.yaml").read_text())["license"] == "apache-2.0"
     # checkpoints on disk: retention kept the last two, each committed with a manifest
     assert [step for step, _ in list_checkpoints(f"{runs_root(config)}/checkpoints")] == [2, 3]
 
