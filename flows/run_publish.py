@@ -68,25 +68,15 @@ def publish(run) -> dict:
 
 
 def write_model_card(run, folder: str) -> None:
-    """The saved model's ``README.md``: a Hugging Face model card with the license and base model of the run's start
-    model (``model_card_data``) and how it was trained. MLflow logs it with the model; without one, MLflow looks the
-    folder up on the model hub and warns that it found neither a card nor a license."""
-    import fsspec
-    from huggingface_hub import ModelCard, ModelCardData
-
+    """The saved model's card (``README.md``): the license and base model of the run's start model, and how it was
+    trained. MLflow logs it with the model."""
+    from rlworkers.models.cards import write_model_card as write_card
     from rlworkers.models.loading import model_card_data
 
     config = run.config
-    data = ModelCardData(
-        library_name="transformers", pipeline_tag="text-generation", tags=["rlflow", run.algorithm],
-        **model_card_data(config.model.path),
-    )  # fmt: skip
-    card = ModelCard(
-        f"---\n{data.to_yaml()}\n---\n\n# {config.trainer.run_name}\n\n{run.algorithm} with rlflow for "
-        f"{config.trainer.total_steps} steps, from `{config.model.path}`.\n"
-    )
-    with fsspec.open(f"{folder}/README.md", "w", encoding="utf-8") as file:
-        file.write(str(card))
+    data = {"tags": ["rlflow", run.algorithm], **model_card_data(config.model.path)}
+    description = f"{run.algorithm} with rlflow for {config.trainer.total_steps} steps, from `{config.model.path}`."
+    write_card(folder, data, config.trainer.run_name, description)
 
 
 def log_final_model(run, path: str) -> dict:

@@ -120,6 +120,7 @@ def test_workers_and_flows_import_without_scikit_learn_or_scipy_optimize():
 def test_a_trained_model_inherits_its_start_models_license_and_base(tmp_path, tiny_dir):
     """What flows/run_publish.py writes into a final model's card (MLflow logs the card with the model)."""
     assert model_card_data("tiny") == model_card_data(f"tiny:{tiny_dir}") == {"license": "apache-2.0"}
+    assert model_card_data(tiny_dir) == {"license": "apache-2.0"}  # any folder with a tiny model: its own card
     smollm2 = {"license": "apache-2.0", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
     assert model_card_data("smollm2-135m-instruct") == smollm2
     trained = tmp_path / "final_model"  # a model rlflow trained carries its card on to the next run

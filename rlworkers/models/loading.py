@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlworkers.models import lora
+from rlworkers.models.cards import SMOLLM2_CARD, TINY_CARD, read_model_card_data
 from rlworkers.models.smollm2 import SMOLLM2_MODEL_NAME, default_smollm2_model_dir, ensure_smollm2_model
 from rlworkers.models.tiny import ensure_tiny_model
 from rlworkers.storage import cached_copy, is_remote
@@ -36,12 +37,6 @@ logger = logging.getLogger(__name__)
 TINY_MODEL_NAME = "tiny"
 TINY_MODEL_DIR_ENV = "RLFLOW_TINY_MODEL_DIR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What a model trained from a named model inherits in its model card: the tiny model's random weights are made here
-# (rlflow's license); SmolLM2-135M-Instruct is Hugging Face's, Apache-2.0.
-NAMED_MODEL_CARDS = {
-    TINY_MODEL_NAME: {"license": "apache-2.0"},
-    SMOLLM2_MODEL_NAME: {"license": "apache-2.0", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
-}
 
 
 def default_tiny_model_dir() -> Path:
@@ -74,23 +69,14 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
 
 
 def model_card_data(name_or_path: str | os.PathLike) -> dict:
-    """The license and base model that a model trained from ``name_or_path`` inherits in its model card: those of
-    a named model (``tiny``, ``smollm2-135m-instruct``, or its default folder), else those in the folder's
-    ``README.md`` (a Hugging Face model card, on any fsspec path); {} when it has none."""
-    import fsspec
-    from huggingface_hub import ModelCard
-
+    """The license and base model that a model trained from ``name_or_path`` inherits in its model card: a named
+    model's (``tiny``, ``smollm2-135m-instruct``, or its default folder, which may predate its card), else those of
+    the folder's own card; {} when it has none."""
     name = os.fspath(name_or_path)
+    named = {TINY_MODEL_NAME: TINY_CARD, SMOLLM2_MODEL_NAME: SMOLLM2_CARD}
     prefix = name.split(":", 1)[0]  # tiny:DIR, smollm2-135m-instruct:DIR
-    named = prefix if prefix in NAMED_MODEL_CARDS else (None if is_remote(name) else named_model(name))
-    if named:
-        return dict(NAMED_MODEL_CARDS[named])
-    try:
-        with fsspec.open(f"{name.rstrip('/')}/README.md", "r", encoding="utf-8") as file:
-            data = ModelCard(file.read()).data.to_dict()
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    return {key: data[key] for key in ("license", "base_model") if data.get(key)}
+    known = prefix if prefix in named else (None if is_remote(name) else named_model(name))
+    return dict(named[known]) if known else read_model_card_data(name)
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

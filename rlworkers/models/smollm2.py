@@ -52,6 +52,7 @@ from filelock import FileLock, Timeout
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlworkers.models.atomic import build_into_place
+from rlworkers.models.cards import SMOLLM2_CARD, write_model_card
 from rlworkers.models.tiny import _write_portable_tokenizer_class
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,9 @@ def create_smollm2_model(path: str | os.PathLike, *, gguf: str | os.PathLike | N
         "note": "Q4_1 weights dequantized to float32 by transformers' GGUF reader (rlworkers/models/smollm2.py)",
     }
     (path / "rlflow-source.json").write_text(json.dumps(source, indent=2) + "\n")
+    write_model_card(
+        path, SMOLLM2_CARD, "SmolLM2-135M-Instruct", f"Built from {source['built_from']}: {source['note']}."
+    )
     elapsed = time.monotonic() - start
     logger.info("built %s (%d parameters) in %s in %.1f s", SMOLLM2_MODEL_NAME, model.num_parameters(), path, elapsed)
     return path

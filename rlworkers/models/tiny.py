@@ -36,6 +36,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlworkers.models.atomic import build_into_place
+from rlworkers.models.cards import TINY_CARD, write_model_card
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ def create_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     _write_portable_tokenizer_class(path)
+    write_model_card(
+        path, TINY_CARD, "tiny-llama", "A tiny Llama with random weights and a character tokenizer, made by rlflow."
+    )
     logger.info("created tiny model (%d parameters) in %s", model.num_parameters(), path)
     return path
 
