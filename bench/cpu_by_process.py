@@ -8,12 +8,17 @@ The table is printed when the command ends, and also when this script is stopped
 limit does): at once, then the signal goes on to the command. A process that ends between two samples loses the CPU it
 used since the last one (at most 2 s each).
 
-    .venv/bin/python bench/cpu_by_process.py [--every 2] -- make test
+    .venv/bin/python bench/cpu_by_process.py [--every 2] [--processes FILE] -- make test
+
+``--processes FILE`` also writes one JSON line per process (pid, parent, start and last-seen time, CPU seconds, kind,
+command line): with the timeline tests/conftest.py writes under ``RLFLOW_TEST_TIMELINE``, which test started what
+(``bench/suite_by_test.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -65,6 +70,7 @@ def kind(cmdline: str, name: str) -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument("--processes", help="write one JSON line per process to this file when the command ends")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -83,6 +89,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, stop)
 
     used: dict[tuple[int, float], list] = {}  # (pid, start time) -> [CPU seconds, kind]
+    seen: dict[tuple[int, float], dict] = {}  # (pid, start time) -> its parent, command line, last time seen
     while child.poll() is None and not stopped:
         for process in psutil.process_iter(["pid", "name", "create_time", "cpu_times"]):
             info = process.info
@@ -92,6 +99,14 @@ def main() -> int:
             seconds = sum(info["cpu_times"][:2]) - before.get(key, 0.0)
             entry = used.setdefault(key, [0.0, None])
             entry[0] = seconds
+            if args.processes:
+                record = seen.setdefault(key, {"ppid": None, "cmdline": ""})
+                record["last"] = time.time()
+                if not record["cmdline"] or entry[1] is None:  # a Ray worker: until its title says what it is
+                    try:
+                        record["ppid"], record["cmdline"] = process.ppid(), " ".join(process.cmdline())[:300]
+                    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                        pass
             if entry[1] is None:  # Ray workers change their title once they know what they are
                 try:
                     entry[1] = kind(" ".join(process.cmdline()), info["name"] or "")
@@ -99,6 +114,12 @@ def main() -> int:
                     pass
         time.sleep(args.every)
     print_table(used, machine_before, time.monotonic() - started)  # first: a stop may be followed by SIGKILL
+    if args.processes:
+        with open(args.processes, "w") as out:
+            for (pid, start), record in seen.items():
+                seconds, what = used[(pid, start)]
+                row = {"pid": pid, "start": start, "cpu_s": round(max(seconds, 0.0), 2), "kind": what, **record}
+                out.write(json.dumps(row) + "\n")
     if stopped:
         child.send_signal(stopped[0])
         try:

@@ -3,7 +3,9 @@ shares the suite between its two processes."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,19 @@ def pytest_sessionfinish(session, exitstatus):
         for report in skipped:
             reporter.write_line(f"  {report.nodeid}: {report.longrepr[-1] if report.longrepr else ''}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``RLFLOW_TEST_TIMELINE=FILE``: one JSON line per test (its process, start and end; fixtures included), for
+    bench/suite_by_test.py to tell which test started which processes (bench/cpu_by_process.py --processes)."""
+    started = time.time()
+    yield
+    path = os.environ.get("RLFLOW_TEST_TIMELINE")
+    if path:
+        row = {"test": item.nodeid, "pid": os.getpid(), "start": started, "end": time.time()}
+        with open(path, "a") as out:
+            out.write(json.dumps(row) + "\n")
 
 
 SESSION_SERVICES: dict = {}  # the `services` fixture's, once it started them
