@@ -5,6 +5,7 @@ it fails here rather than for the next person who measures (bench/overhead.py on
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -39,18 +40,24 @@ def test_precision_bench_prints_both_times_the_ratio_and_the_cpu():
 BURN_8_CPU_S = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 8: pass"
 
 
-def test_cpu_by_process_counts_what_the_command_started_and_passes_its_exit_status_on():
+def test_cpu_by_process_counts_what_the_command_started_and_passes_its_exit_status_on(tmp_path):
     """What CI wraps `make test` in: the CPU of the command's own children is counted by kind, its exit status is
     the script's, and a SIGTERM (CI's time limit) is passed on to the command and still prints the table."""
     root = Path(__file__).resolve().parents[1]
     child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN_8_CPU_S!r}]); sys.exit(3)"
+    records = tmp_path / "processes.jsonl"
     done = subprocess.run(
-        [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", sys.executable, "-c", child],
+        [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--processes", str(records), "--",
+         sys.executable, "-c", child],
         cwd=root, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout + done.stderr
     burned = next(line for line in done.stdout.splitlines() if line.endswith("other Python"))
     assert float(burned.split()[0]) >= 0.1, done.stdout  # >= 6 of its 8 CPU-s (the last sample may miss 2)
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    command = next(row for row in rows if row["cmdline"].endswith(child))  # the command, and the child it started
+    burner = next(row for row in rows if row["ppid"] == command["pid"])
+    assert burner["cpu_s"] >= 6 and burner["kind"] == "other Python" and burner["start"] >= command["start"], rows
 
     stopped = subprocess.Popen(
         [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", "sleep", "60"],
@@ -72,3 +79,29 @@ def test_cpu_by_process_tells_rlflow_s_processes_apart():
     assert kind("/x/.venv/bin/python -m flows.cli train grpo --config demo", "python") == "rlflow CLI (controller)"
     assert kind("/x/.venv/bin/python -m prefect server start --host 127.0.0.1", "python") == "Prefect server"
     assert kind("/x/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray", "gcs_server") == "Ray's own processes"
+
+
+def test_suite_by_test_gives_a_process_to_the_test_its_pytest_process_ran_and_shares_the_local_rays():
+    """bench/suite_by_test.py: a command a test ran (and what it started) is that test's; a worker of the session's
+    local Ray (under `ray start --head`) is shared by the tests running when it started, one share each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from suite_by_test import attribute
+
+    tests = [
+        {"test": "tests/test_a.py::test_one", "pid": 10, "start": 0.0, "end": 100.0},
+        {"test": "tests/test_a.py::test_two", "pid": 10, "start": 100.0, "end": 200.0},
+        {"test": "tests/test_b.py::test_three", "pid": 20, "start": 0.0, "end": 200.0},
+    ]
+    cli, worker, ray = "rlflow CLI (controller)", "Ray worker actors (rlworkers)", "Ray's own processes"
+    processes = [
+        {"pid": 11, "ppid": 10, "start": 120.0, "cpu_s": 8.0, "kind": cli, "cmdline": "python -m flows.cli train"},
+        {"pid": 12, "ppid": 11, "start": 125.0, "cpu_s": 6.0, "kind": worker, "cmdline": "ray::ActorRolloutRefWorker"},
+        {"pid": 21, "ppid": 20, "start": 1.0, "cpu_s": 1.0, "kind": ray, "cmdline": "ray start --head --block"},
+        {"pid": 22, "ppid": 21, "start": 50.0, "cpu_s": 4.0, "kind": worker, "cmdline": "ray::ActorRolloutRefWorker"},
+    ]
+    cpu, started = attribute(tests, processes)
+    assert cpu["tests/test_a.py::test_two"]["cli"] == 8.0 and cpu["tests/test_a.py::test_two"]["workers"] == 6.0
+    assert cpu["tests/test_a.py::test_one"]["workers"] == cpu["tests/test_b.py::test_three"]["workers"] == 2.0
+    assert started["tests/test_b.py::test_three"]["workers"] == 0.5
+    assert cpu["tests/test_b.py::test_three"]["ray"] == 1.0  # the `ray start` itself: the test that ran it
+    assert cpu["tests/test_a.py::test_one"]["(wall s)"] == 100.0
