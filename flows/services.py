@@ -337,6 +337,9 @@ def _ray_spec(config: ServiceConfig) -> _Spec:
         f"--port={config.ray_port}", f"--num-cpus={config.ray_cpus or max(8, os.cpu_count() or 1)}",
         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir=/tmp/rlflow-ray-{digest}",
         "--no-monitor",  # no autoscaler: a local Ray of one node
+        # runs join with log_to_driver=False (flows/groups.py): nothing reads the worker output a log monitor pushes
+        # (it stays in the temporary folder's logs), and the monitor polls every log file of the node all along
+        "--include-log-monitor=false",
         f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
         # every actor rlflow starts has a runtime env of its own: idle workers started for a job go unused
         '--system-config={"prestart_worker_first_driver": false}',
