@@ -108,20 +108,60 @@ def end_kept_worker_groups():
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """This test process's own Ray, which its in-process flows and worker groups use: started with `ray start` (and
+    joined) rather than by ``ray.init``, which cannot leave out Ray's log monitor: nothing here reads worker output
+    through it (``log_to_driver=False``), and it polls every log file of the node ten times a second all session."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
     import ray
 
+    from flows import kept
+
+    started, temp_dir = None, None
     if not ray.is_initialized():
-        # 16 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        # 16 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests. A new
+        # instance with a temporary folder of its own (short: Ray's socket paths have a length limit), never a
+        # `ray start` cluster another test started on this machine
+        temp_dir = tempfile.mkdtemp(prefix="/tmp/rlt-")
+        started = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+             "--num-cpus=16", "--include-dashboard=false", "--include-log-monitor=false", "--no-monitor",
+             "--disable-usage-stats", f"--temp-dir={temp_dir}",
+             '--system-config={"prestart_worker_first_driver": false}'],  # as flows.groups.ray_settings: none used
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        kept.use_token_authentication()  # `ray start`'s default, as for the local Ray of `rlflow server up`
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                assert started.poll() is None and time.monotonic() < deadline, "the test process's Ray did not start"
+                time.sleep(0.25)
         ray.init(
-            address="local",  # a new instance, never a `ray start` cluster another test started on this machine
-            num_cpus=16,
-            include_dashboard=False,
+            address=f"127.0.0.1:{port}",
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
-            _system_config={"prestart_worker_first_driver": False},  # as flows.groups.ray_settings: none used
         )
     yield ray
     ray.shutdown()
+    if started is not None:
+        os.killpg(started.pid, signal.SIGTERM)  # `ray start --block` stops what it started
+        try:
+            started.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(started.pid, signal.SIGKILL)
+            started.wait(10)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
