@@ -124,9 +124,13 @@ def ray_cluster():
 
     started, temp_dir = None, None
     if not ray.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+
+        def free_port() -> int:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                return sock.getsockname()[1]
+
+        port = free_port()
         # 16 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests. A new
         # instance with a temporary folder of its own (short: Ray's socket paths have a length limit), never a
         # `ray start` cluster another test started on this machine
@@ -135,6 +139,8 @@ def ray_cluster():
             [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
              "--num-cpus=16", "--include-dashboard=false", "--include-log-monitor=false", "--no-monitor",
              "--disable-usage-stats", f"--temp-dir={temp_dir}",
+             # its own ports where `ray start` has fixed defaults: the other test process starts one too
+             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
              '--system-config={"prestart_worker_first_driver": false}'],  # as flows.groups.ray_settings: none used
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
