@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def pytest_runtest_protocol(item, nextitem):
             out.write(json.dumps(row) + "\n")
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 SESSION_SERVICES: dict = {}  # the `services` fixture's, once it started them
 
 
@@ -113,7 +120,6 @@ def ray_cluster():
     through it (``log_to_driver=False``), and it polls every log file of the node ten times a second all session."""
     import shutil
     import signal
-    import socket
     import subprocess
     import sys
     import tempfile
@@ -124,12 +130,6 @@ def ray_cluster():
 
     started, temp_dir = None, None
     if not ray.is_initialized():
-
-        def free_port() -> int:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                return sock.getsockname()[1]
-
         port = free_port()
         # 16 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests. A new
         # instance with a temporary folder of its own (short: Ray's socket paths have a length limit), never a
@@ -174,15 +174,8 @@ def ray_cluster():
 def services(tmp_path_factory):
     """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) and the local Ray of `rlflow server up`, for
     the whole session: every `rlflow` process a test starts joins that Ray, as a user's runs do."""
-    import socket
-
     from flows.preflight import apply_service_env
     from flows.services import ServiceConfig, start_services, stop_services
-
-    def free_port() -> int:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
 
     config = ServiceConfig(
         state_dir=tmp_path_factory.mktemp("rlflow-home"),
