@@ -676,8 +676,8 @@ def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str,
 
 
 def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
-    """Stop both servers and the local Ray (SIGTERM to their process groups, SIGKILL after ``stop_grace_s``) and
-    remove services.json. The local Ray's worker processes (each a session of its own) are waited for, and killed
+    """Stop both servers (SIGTERM to their process groups, SIGKILL after ``stop_grace_s``) and the local Ray
+    (SIGKILL) and remove services.json. The local Ray's worker processes (each a session of its own) are waited for, and killed
     if they outlive it by ``stop_grace_s``. Idempotent. Returns ``{name: whether it was running}``."""
     import psutil
 
@@ -694,7 +694,10 @@ def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
             if running and name == "ray":
                 with contextlib.suppress(psutil.Error):
                     workers = psutil.Process(entry["pid"]).children(recursive=True)
-            stopped[name] = running and _stop_group(entry["pid"], config.stop_grace_s)
+            # on SIGTERM Ray's raylet takes 10 s and its GCS 30 s to shut down gracefully, for state nothing reads
+            # again (the local Ray holds processes, not data): it gets SIGKILL at once, as by `ray stop --force`
+            grace_s = 0.0 if name == "ray" else config.stop_grace_s
+            stopped[name] = running and _stop_group(entry["pid"], grace_s)
             _, left = psutil.wait_procs(workers, timeout=config.stop_grace_s)
             for process in left:
                 with contextlib.suppress(psutil.Error):
