@@ -677,8 +677,8 @@ def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str,
 
 def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
     """Stop both servers (SIGTERM to their process groups, SIGKILL after ``stop_grace_s``) and the local Ray
-    (SIGKILL) and remove services.json. The local Ray's worker processes (each a session of its own) are waited for, and killed
-    if they outlive it by ``stop_grace_s``. Idempotent. Returns ``{name: whether it was running}``."""
+    (SIGKILL) and remove services.json. The local Ray's worker processes (each a session of its own) are waited
+    for, and killed if they outlive it by ``stop_grace_s``. Idempotent. Returns ``{name: whether it was running}``."""
     import psutil
 
     config = config or ServiceConfig()
