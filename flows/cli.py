@@ -430,9 +430,9 @@ def _yes_no(flag: bool) -> str:
 
 
 def run_command() -> NoReturn:
-    """The `rlflow` command: ``app``, then the end of the process without Python's own tear-down, which spends ~2 s
-    (a third of a short run's shutdown) freeing the objects of torch, transformers, Prefect and MLflow one by one
-    for a process that is about to go. What must run still does, in the order Python's exit runs it: the
+    """The `rlflow` command: ``app``, then the end of the process without Python's own tear-down, which spends
+    seconds freeing the objects of torch, transformers, Prefect and MLflow one by one for a process that is about to
+    go (docs/performance.md). What must run still does, in the order Python's exit runs it: the
     non-daemon threads are waited for (``threading._shutdown``, as at exit), then the exit handlers (Prefect's
     event and log flushes, MLflow's async logging, Ray's shutdown, logging's), then the streams are flushed."""
     try:

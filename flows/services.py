@@ -694,7 +694,7 @@ def stop_services(config: ServiceConfig | None = None) -> dict[str, bool]:
             if running and name == "ray":
                 with contextlib.suppress(psutil.Error):
                     workers = psutil.Process(entry["pid"]).children(recursive=True)
-            # on SIGTERM Ray's raylet takes 10 s and its GCS 30 s to shut down gracefully, for state nothing reads
+            # on SIGTERM Ray's raylet and GCS shut down gracefully for tens of seconds, for state nothing reads
             # again (the local Ray holds processes, not data): it gets SIGKILL at once, as by `ray stop --force`
             grace_s = 0.0 if name == "ray" else config.stop_grace_s
             stopped[name] = running and _stop_group(entry["pid"], grace_s)

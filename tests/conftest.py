@@ -161,7 +161,7 @@ def ray_cluster():
     yield ray
     ray.shutdown()
     if started is not None:
-        # its whole process group at once: on SIGTERM its GCS shuts down gracefully for 30 s (the last half minute
+        # its whole process group at once: on SIGTERM its GCS shuts down gracefully for tens of seconds (at the end
         # of each test process in `make test`), for an instance that keeps nothing (its folder is removed next)
         os.killpg(started.pid, signal.SIGKILL)
         started.wait(30)
