@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,16 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flows.services import free_port  # noqa: E402 (after ROOT joins the path)
+
 JOBS = {
     "sft": ["sft", "--config", "demo-sft", "trainer.total_steps=2"],
     "grpo": ["grpo", "--config", "demo", "trainer.total_steps=2"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_description() -> str:

@@ -326,30 +326,40 @@ def _ray_spec(config: ServiceConfig) -> _Spec:
     """The local Ray that runs join when they are given no other (flows/groups.py ``ray_settings``), where worker
     processes are kept from run to run (flows/kept.py). Clients reach it at 127.0.0.1; Ray itself listens on the
     node's address, as the Ray a run starts for itself does, with Ray's token authentication (its default, the token
-    in ~/.ray/auth_token). No dashboard, no metrics, no autoscaler; its temporary folder is its
-    own (a short path: Ray's socket paths have a length limit), so a bare ``ray.init()`` never finds and joins it."""
+    in ~/.ray/auth_token). Its temporary folder is its own (see ``local_ray_command``)."""
     import hashlib
 
     digest = hashlib.blake2b(str(config.state_dir).encode(), digest_size=4).hexdigest()
     address = f"127.0.0.1:{config.ray_port}"
-    command = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-        f"--port={config.ray_port}", f"--num-cpus={config.ray_cpus or max(8, os.cpu_count() or 1)}",
-        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir=/tmp/rlflow-ray-{digest}",
-        "--no-monitor",  # no autoscaler: a local Ray of one node
-        # runs join with log_to_driver=False (flows/groups.py): nothing reads the worker output a log monitor pushes
-        # (it stays in the temporary folder's logs), and the monitor polls every log file of the node all along
-        "--include-log-monitor=false",
-        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        # every actor rlflow starts has a runtime env of its own: idle workers started for a job go unused
-        '--system-config={"prestart_worker_first_driver": false}',
-    ]  # fmt: skip
+    num_cpus = config.ray_cpus or max(8, os.cpu_count() or 1)
+    command = local_ray_command(config.ray_port, num_cpus, f"/tmp/rlflow-ray-{digest}")
     env = {"RAY_enable_metrics_collection": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     return _Spec("ray", config.ray_port, "--ray-port", address, f"tcp://{address}", command, env,
                  config.state_dir / "logs" / "ray.log")  # fmt: skip
 
 
-def _free_port() -> int:
+def local_ray_command(port: int, num_cpus: int, temp_dir: str) -> list[str]:
+    """`ray start --head --block` of a Ray of one node on ``port`` (also the test processes' own Rays,
+    tests/conftest.py): no dashboard, no metrics, no autoscaler, no log monitor; its temporary folder ``temp_dir``
+    its own (a short path: Ray's socket paths have a length limit), so a bare ``ray.init()`` never finds and joins
+    it; Ray Client's server and the dashboard agent on free ports, where `ray start` has fixed defaults that two
+    such Rays on one machine would share."""
+    return [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+        f"--port={port}", f"--num-cpus={num_cpus}",
+        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        "--no-monitor",  # no autoscaler: a Ray of one node
+        # runs join with log_to_driver=False (flows/groups.py): nothing reads the worker output a log monitor pushes
+        # (it stays in the temporary folder's logs), and the monitor polls every log file of the node all along
+        "--include-log-monitor=false",
+        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        # every actor rlflow starts has a runtime env of its own: idle workers started for a job go unused
+        '--system-config={"prestart_worker_first_driver": false}',
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

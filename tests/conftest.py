@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.services import free_port, local_ray_command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,12 +79,6 @@ def pytest_runtest_protocol(item, nextitem):
             out.write(json.dumps(row) + "\n")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 SESSION_SERVICES: dict = {}  # the `services` fixture's, once it started them
 
 
@@ -121,7 +117,6 @@ def ray_cluster():
     import shutil
     import signal
     import subprocess
-    import sys
     import tempfile
 
     import ray
@@ -136,14 +131,11 @@ def ray_cluster():
         # `ray start` cluster another test started on this machine
         temp_dir = tempfile.mkdtemp(prefix="/tmp/rlt-")
         started = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-             "--num-cpus=16", "--include-dashboard=false", "--include-log-monitor=false", "--no-monitor",
-             "--disable-usage-stats", f"--temp-dir={temp_dir}",
-             # its own ports where `ray start` has fixed defaults: the other test process starts one too
-             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-             '--system-config={"prestart_worker_first_driver": false}'],  # as flows.groups.ray_settings: none used
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            local_ray_command(port, 16, temp_dir),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         kept.use_token_authentication()  # `ray start`'s default, as for the local Ray of `rlflow server up`
         deadline = time.monotonic() + 120
         while True:

@@ -8,7 +8,6 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -17,11 +16,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from flows.services import free_port
 
 
 def postgres_bin() -> Path:
@@ -45,7 +40,7 @@ def private_postgres() -> Iterator[dict]:
     folder = Path(tempfile.mkdtemp(prefix="rlpg-", dir="/tmp"))  # not under pytest's root-only folders
     shutil.chown(folder, "postgres")
     folder.chmod(0o700)
-    port = _free_port()
+    port = free_port()
     done = _as_postgres(str(bin_dir / "initdb"), "-D", str(folder / "data"), "--auth-local=trust", "-U", "postgres")
     assert done.returncode == 0, done.stderr
     options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +28,12 @@ from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow_in_background
 from safetensors.torch import load_file
 
+from flows.services import free_port
 from rlworkers.models.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Node:

@@ -4,7 +4,6 @@ through a TCP relay that the tests can cut like a network partition."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from faults import TcpProxy
 from safetensors.torch import load
 
 from flows.config import load_config, runs_root
+from flows.services import free_port
 from rlworkers.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
@@ -33,17 +33,11 @@ pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test
 BUCKET = "rlflow-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 and a relay in front of it; this process's AWS_* variables point at the relay
     (the runs forward them to their Ray workers)."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from flows.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # starts servers and trains four times: `make test-quick` leaves it out
@@ -24,12 +25,6 @@ def readme_block(heading: str) -> list[str]:
     section = text[text.index(heading) :]
     block = re.search(r"```\n(.*?)```", section, re.S).group(1)
     return [line for line in block.splitlines() if line.strip()]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def as_test_runs_it(line: str, prefect_port: int, mlflow_port: int, ray_port: int) -> str:

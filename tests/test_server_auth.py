@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.services import ServiceConfig, basic_auth_header, http_status, start_services, stop_services
+from flows.services import ServiceConfig, basic_auth_header, free_port, http_status, start_services, stop_services
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -30,12 +29,6 @@ CLIENT_VARIABLES = (
     "MLFLOW_TRACKING_PASSWORD",
     "RLFLOW_SERVER_AUTH",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,13 @@ from flows.services import (
     ServiceConfig,
     ServiceError,
     _prefect_spec,
+    free_port,
     service_status,
     start_services,
     stop_services,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _port_free(port: int) -> bool:
@@ -70,9 +65,9 @@ def _pids_with_args(*args: str) -> list[int]:
 def services(tmp_path_factory):
     config = ServiceConfig(
         state_dir=tmp_path_factory.mktemp("rlflow_home"),
-        prefect_port=_free_port(),
-        mlflow_port=_free_port(),
-        ray_port=_free_port(),
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        ray_port=free_port(),
         startup_timeout_s=120,
     )
     started = time.monotonic()
@@ -181,7 +176,7 @@ def test_require_prefect_api_refuses_ephemeral_and_unreachable_servers(services,
     assert "PREFECT_API_URL is not set" in message and "Ray worker" in message
     assert "rlflow server up" in message and "source .rlflow/env.sh" in message
 
-    clean_env.setenv(PREFECT_API_URL, f"http://127.0.0.1:{_free_port()}/api")
+    clean_env.setenv(PREFECT_API_URL, f"http://127.0.0.1:{free_port()}/api")
     with _prefect_settings_from_env(), pytest.raises(ServiceError, match="does not answer"):
         require_prefect_api()
 
@@ -199,7 +194,7 @@ def test_require_mlflow_tracking(services, clean_env, tmp_path):
         require_mlflow_tracking()
     clean_env.setenv(MLFLOW_TRACKING_URI, f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert require_mlflow_tracking() == f"sqlite:///{tmp_path / 'mlflow.db'}"
-    clean_env.setenv(MLFLOW_TRACKING_URI, f"http://127.0.0.1:{_free_port()}")
+    clean_env.setenv(MLFLOW_TRACKING_URI, f"http://127.0.0.1:{free_port()}")
     with pytest.raises(ServiceError, match="does not answer"):
         require_mlflow_tracking()
     clean_env.setenv(MLFLOW_TRACKING_URI, urls[MLFLOW_TRACKING_URI])
@@ -256,7 +251,7 @@ def test_port_conflict_names_the_port_and_the_option(tmp_path):
         squatter.listen()
         busy = squatter.getsockname()[1]
         config = ServiceConfig(
-            state_dir=tmp_path / "state", prefect_port=busy, mlflow_port=_free_port(), ray_port=_free_port()
+            state_dir=tmp_path / "state", prefect_port=busy, mlflow_port=free_port(), ray_port=free_port()
         )
         with pytest.raises(ServiceError, match=rf"Port {busy} .* in use.*--prefect-port"):
             start_services(config)
@@ -268,9 +263,9 @@ def test_port_conflict_names_the_port_and_the_option(tmp_path):
 def test_failed_start_stops_what_it_started(tmp_path):
     config = ServiceConfig(
         state_dir=tmp_path / "state",
-        prefect_port=_free_port(),
-        mlflow_port=_free_port(),
-        ray_port=_free_port(),
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        ray_port=free_port(),
         startup_timeout_s=0.5,
     )
     expected = r"did not answer .* within 0.5 s \(ServiceConfig.startup_timeout_s\)\. Last lines of"

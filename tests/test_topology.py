@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -23,15 +22,16 @@ import pytest
 from pg_cluster import private_postgres, query
 from rlflow_cli import rlflow
 
-from flows.services import ServiceConfig, ServiceError, ensure_postgres_databases, start_services, stop_services
+from flows.services import (
+    ServiceConfig,
+    ServiceError,
+    ensure_postgres_databases,
+    free_port,
+    start_services,
+    stop_services,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
