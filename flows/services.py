@@ -340,10 +340,10 @@ def _ray_spec(config: ServiceConfig) -> _Spec:
 
 def local_ray_command(port: int, num_cpus: int, temp_dir: str) -> list[str]:
     """`ray start --head --block` of a Ray of one node on ``port`` (also the test processes' own Rays,
-    tests/conftest.py): no dashboard, no metrics, no autoscaler, no log monitor; its temporary folder ``temp_dir``
-    its own (a short path: Ray's socket paths have a length limit), so a bare ``ray.init()`` never finds and joins
-    it; Ray Client's server and the dashboard agent on free ports, where `ray start` has fixed defaults that two
-    such Rays on one machine would share."""
+    tests/conftest.py): no dashboard, autoscaler or log monitor (metrics: the caller's environment). Its temporary
+    folder ``temp_dir`` is its own (a short path: Ray's socket paths have a length limit), so a bare ``ray.init()``
+    never finds and joins it; Ray Client's server and the dashboard agent take free ports, where `ray start` has
+    fixed defaults that two such Rays on one machine would share."""
     return [
         sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
         f"--port={port}", f"--num-cpus={num_cpus}",
