@@ -4,6 +4,10 @@
 so ``import rlworkers`` (and any submodule that does not need it) stays free of torch and tensordict.
 """
 
+from rlworkers.transformers_import import prepare_transformers_import
+
+prepare_transformers_import()  # before anything imports transformers: see rlworkers/transformers_import.py
+
 __all__ = ["DataProto"]
 
 

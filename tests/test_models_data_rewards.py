@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -115,6 +116,37 @@ def test_workers_and_flows_import_without_scikit_learn_or_scipy_optimize():
         "assert not in_flows, in_flows[:3]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_transformers_model_table_is_made_once_then_read_from_disk_and_equals_transformers_own(tmp_path):
+    """rlworkers/transformers_import.py: the first process makes transformers' table of model classes and keeps it
+    on disk; the next reads it (transformers' own function is not called); a corrupt file is made again; the table
+    is the one transformers makes; and the lazy classes still import."""
+    code = (
+        "import json, sys, rlworkers, transformers; "
+        "from transformers import AutoModelForCausalLM, LlamaForCausalLM; "
+        "from transformers.utils import import_utils; "
+        "wrapper = import_utils.create_import_structure_from_path; "
+        "folder = transformers.__file__.rsplit('/', 1)[0] + '/models'; "
+        "calls = wrapper.build.cache_info().misses; "
+        "made = wrapper.build.__wrapped__(folder); "
+        "print(json.dumps({'calls': calls, 'same': wrapper(folder) == made, "
+        "'class': LlamaForCausalLM.__name__}))"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    first = run()
+    (kept,) = (tmp_path / "rlflow").glob("transformers-*-import-structure-*.json")
+    assert first["calls"] > 500 and first["same"] and first["class"] == "LlamaForCausalLM"  # ~520 model folders
+    second = run()  # made here: only the folders of the model packages imported (each reads its own when imported)
+    assert second["calls"] < 20 and second["same"] and second["class"] == "LlamaForCausalLM"
+    kept.write_text('{"dict": [["albert", ')  # cut off mid-write, as by a full disk
+    assert run()["calls"] > 500 and json.loads(kept.read_text())
+    assert run()["calls"] < 20
 
 
 def test_a_trained_model_inherits_its_start_models_license_and_base(tmp_path, tiny_dir):

@@ -1,24 +1,7 @@
 """Model and tokenizer loading, the tiny offline Llama with a character-level tokenizer (see tiny.py), and
 SmolLM2-135M-Instruct built from a pip package (see smollm2.py)."""
 
-import transformers.utils
-import transformers.utils.import_utils
-
-
-def _not_for_rlflow() -> bool:
-    return False
-
-
-# transformers imports scikit-learn's metrics when scikit-learn is installed (mlflow requires it), for a threshold of
-# assisted decoding that rlflow never uses, and scipy.optimize when scipy is installed, for the losses of its object
-# detection models: ~1 s each of the start-up of every worker, of the task host and of the flow here. Set before
-# transformers' generation and loss modules are imported (they bind the checks then): rlworkers imports
-# transformers' models only through this package.
-for _check in ("is_sklearn_available", "is_scipy_available"):
-    setattr(transformers.utils, _check, _not_for_rlflow)
-    setattr(transformers.utils.import_utils, _check, _not_for_rlflow)
-
-from rlworkers.models.loading import (  # noqa: E402
+from rlworkers.models.loading import (
     TINY_MODEL_NAME,
     default_tiny_model_dir,
     load_model,
@@ -27,7 +10,7 @@ from rlworkers.models.loading import (  # noqa: E402
     resolve_model_path,
     torch_dtype,
 )
-from rlworkers.models.smollm2 import (  # noqa: E402
+from rlworkers.models.smollm2 import (
     SMOLLM2_MODEL_NAME,
     create_smollm2_model,
     default_smollm2_model_dir,
@@ -35,7 +18,7 @@ from rlworkers.models.smollm2 import (  # noqa: E402
     find_smollm2_gguf,
     is_smollm2_model_complete,
 )
-from rlworkers.models.tiny import build_char_tokenizer, create_tiny_model, ensure_tiny_model, is_tiny_model_complete  # noqa: E402
+from rlworkers.models.tiny import build_char_tokenizer, create_tiny_model, ensure_tiny_model, is_tiny_model_complete
 
 __all__ = [
     "SMOLLM2_MODEL_NAME",

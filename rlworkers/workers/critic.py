@@ -41,7 +41,7 @@ class CriticWorker(Worker):
     def init_model(self) -> None:
         self.init_process_group(self.backend, timeout_s=self.collective_timeout_s)
         common.seed_everything(self.seed)  # the new value head starts identical on every rank
-        from transformers import AutoModelForTokenClassification  # after rlworkers.models: see its __init__
+        from transformers import AutoModelForTokenClassification  # see rlworkers/transformers_import.py
 
         path = base_model_path(resolve_model_path(self.model_config.path))  # a LoRA adapter's critic starts at its base
         self.model = AutoModelForTokenClassification.from_pretrained(

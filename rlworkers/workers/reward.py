@@ -154,7 +154,7 @@ class RewardModel:
     micro_batch_size = 32  # rows per forward pass: bounds the activations' memory on a GPU
 
     def __init__(self, config: ModelConfig, device: str = "cpu"):
-        from transformers import AutoModelForSequenceClassification  # after rlworkers.models: see its __init__
+        from transformers import AutoModelForSequenceClassification  # see rlworkers/transformers_import.py
 
         self.config, self.device = config, device
         path = resolve_model_path(config.path)
