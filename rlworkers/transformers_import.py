@@ -1,38 +1,46 @@
-"""How rlflow's processes import transformers: the same library, in a second less of every process's start.
+"""How rlflow's processes import transformers: the same library, ~1.5 s sooner in every process.
 
 ``import rlworkers`` (which every process of a run does before it imports transformers: the workers, the task host,
-the controller) calls :func:`prepare_transformers_import`, which changes two things in transformers' own import
-machinery (``transformers.utils.import_utils``) the moment that module has run, before anything reads them:
+the controller) calls :func:`prepare_transformers_import`. When transformers' import machinery
+(``transformers.utils.import_utils``) is first imported, three things change in it, before anything reads them:
 
-- transformers builds the lazy table of its model classes at every import by reading each of the ~2,800 files of
-  its ~520 model folders (``create_import_structure_from_path``: ~0.5 s on a 2-core Xeon), and does it twice, since
-  ``transformers`` and ``transformers.models`` ask for the same folder under two keys (a folder, and the
-  ``__init__.py`` in it). The table is a function of the installed files alone: it is now made once per folder in
-  a process and kept on disk for the installed transformers (``~/.cache/rlflow``, or ``$XDG_CACHE_HOME/rlflow``),
-  keyed by the folder, transformers' version and the modification times of the folder, its ``__init__.py`` and
-  the import machinery (a new install of transformers makes a new table). Each worker and controller starts ~1 s
-  sooner.
+- At its import it maps every installed package to its distributions (``importlib.metadata.packages_distributions``:
+  the metadata of ~300 distributions read and parsed, ~0.5 s on a 2-core Xeon). The map depends on what is
+  installed only: it is kept on disk and read again while no folder of ``sys.path`` changed.
+- It builds the lazy table of its model classes by reading each of the ~2,800 files of its ~520 model folders
+  (``create_import_structure_from_path``, ~0.5 s), and does so twice: ``transformers`` and ``transformers.models``
+  ask for the same folder under two keys (the folder, and the ``__init__.py`` in it). The table depends on the
+  installed files only: it is kept on disk, for the installed transformers (its version and the modification times
+  of its ``models`` folder, that folder's ``__init__.py`` and the import machinery).
 - scikit-learn and scipy are installed (mlflow needs them), and transformers would import scikit-learn's metrics for
   a threshold of assisted decoding rlflow never uses, and scipy.optimize for the losses of its object-detection
   models: ~1 s each in every process. Their availability checks say no.
+
+What is kept lives in ``~/.cache/rlflow`` (``$XDG_CACHE_HOME/rlflow``), a file per table and Python environment, with
+the key it was made for; a file that is missing, unreadable or made for another key is made again, as transformers
+would, and written atomically. Measured: bench/imports.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 _MODULE = "transformers.utils.import_utils"
 
 
 def prepare_transformers_import() -> None:
-    """Arrange for :func:`_adjust` to run on transformers' import machinery when it is first imported."""
+    """Arrange for transformers' import machinery to be adjusted when it is first imported (see above)."""
     if _MODULE in sys.modules:  # imported before rlworkers: transformers imports the usual way in this process
         return
     if not any(isinstance(finder, _AdjustOnImport) for finder in sys.meta_path):
@@ -40,7 +48,8 @@ def prepare_transformers_import() -> None:
 
 
 class _AdjustOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``transformers.utils.import_utils`` as Python would, and adjusts it right after it has run."""
+    """Finds ``transformers.utils.import_utils`` as Python would, runs it with the kept distributions' map, and
+    adjusts it right after."""
 
     def find_spec(self, name, path, target=None):
         if name != _MODULE:
@@ -52,11 +61,24 @@ class _AdjustOnImport(importlib.abc.MetaPathFinder):
         run_module = spec.loader.exec_module
 
         def exec_module(module):
-            run_module(module)
+            with _kept_packages_distributions():
+                run_module(module)
             _adjust(module)
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+@contextlib.contextmanager
+def _kept_packages_distributions():
+    make = importlib.metadata.packages_distributions
+    folders = [path for path in sys.path if path and os.path.isdir(path)]
+    key = "|".join(f"{folder}:{os.stat(folder).st_mtime_ns}" for folder in folders)
+    importlib.metadata.packages_distributions = lambda: _kept("packages-distributions", key, make)
+    try:
+        yield
+    finally:
+        importlib.metadata.packages_distributions = make
 
 
 def _not_for_rlflow() -> bool:
@@ -74,66 +96,47 @@ def _adjust(import_utils) -> None:
 
 def _kept_import_structure(build):
     """``build`` (transformers' function; it calls itself by its module's name for each subfolder, so through this
-    wrapper too), with the table of transformers' ``models`` folder read from disk when it is there, and made and
-    written there when it is not. Each call returns a table of its own, as ``build`` did for each of the two keys."""
-    kept: dict[Path, str] = {}
+    wrapper too), with the table of transformers' ``models`` folder kept on disk. Each call returns a table of its
+    own, as ``build`` did for each of its two keys."""
 
     @functools.wraps(build)
     def import_structure(module_path):
         path = str(module_path)
-        cache = _cache_file(os.path.dirname(path) if os.path.isfile(path) else path)
-        if cache is None:
-            return build(module_path)
-        if cache not in kept:
-            try:
-                kept[cache] = cache.read_text()
-                return _decode(json.loads(kept[cache]))
-            except (OSError, ValueError, KeyError, TypeError):
-                structure = build(module_path)
-                try:
-                    kept[cache] = json.dumps(_encode(structure))
-                except TypeError:  # a table of another shape (another transformers): made as transformers makes it
-                    return structure
-                _write_atomically(cache, kept[cache])
-                return structure
-        return _decode(json.loads(kept[cache]))
+        models = Path(os.path.dirname(path) if os.path.isfile(path) else path)
+        machinery = models.parent / "utils" / "import_utils.py"
+        if models.name != "models" or not machinery.is_file():
+            return build(module_path)  # a model package's own folder: read when that package is imported
+        version = getattr(sys.modules.get("transformers"), "__version__", "")
+        stamps = [os.stat(p) for p in (models, models / "__init__.py", machinery)]
+        key = "|".join([str(models), version, *(f"{s.st_mtime_ns}:{s.st_size}" for s in stamps)])
+        table = _kept("transformers-import-structure", key, lambda: _encode(build(module_path)))
+        return _decode(table)
 
     import_structure.build = build
     return import_structure
 
 
-def _cache_file(folder: str) -> Path | None:
-    """Where the table of ``folder`` is kept: only transformers' own ``models`` folder (what every import reads);
-    its subfolders are made in the same call."""
-    models = Path(folder)
-    if models.name != "models" or not (models.parent / "utils" / "import_utils.py").is_file():
-        return None
-    version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
-    stamps = [(models / "__init__.py").stat(), (models.parent / "utils" / "import_utils.py").stat(), models.stat()]
-    key = f"{models}|{version}|" + "|".join(f"{s.st_mtime_ns}:{s.st_size}" for s in stamps)
-    name = f"transformers-{version}-import-structure-{_digest(key)}.json"
+def _kept(name: str, key: str, make: Callable[[], Any]) -> Any:
+    """``make()``'s JSON-able value, read from this environment's file ``name`` when it was made for ``key``, else
+    made and written there."""
+    environment = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlflow"
-    return root / name
-
-
-def _digest(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    path = root / f"{name}-{environment}.json"
+    with contextlib.suppress(OSError, ValueError):
+        kept = json.loads(path.read_text())
+        if isinstance(kept, dict) and kept.get("key") == key:
+            return kept["value"]
+    value = make()
+    with contextlib.suppress(OSError):  # a read-only home: the next process makes it again
+        root.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=root, prefix=path.name, suffix=".tmp")
         with os.fdopen(handle, "w") as file:
-            file.write(text)
+            json.dump({"key": key, "value": value}, file)
         os.replace(temporary, path)
-    except OSError:  # a read-only home: the table is made again by the next process, as transformers would
-        pass
+    return value
 
 
-# The table: dicts keyed by folder names (str) and by sets of backends (frozenset), whose leaves map a module to
+# The model table: dicts keyed by folder names (str) and by sets of backends (frozenset), whose leaves map a module to
 # the set of names it exports. JSON has no sets nor non-string keys, so each value is written with its type.
 def _encode(value):
     if isinstance(value, dict):
@@ -142,9 +145,7 @@ def _encode(value):
         return {"frozenset": sorted(value)}
     if isinstance(value, set):
         return {"set": sorted(value)}
-    if isinstance(value, str):
-        return value
-    raise TypeError(f"transformers' import structure holds a {type(value).__name__}: not kept")
+    return value
 
 
 def _decode(value):

@@ -37,6 +37,17 @@ def test_precision_bench_prints_both_times_the_ratio_and_the_cpu():
     assert "bf16 autocast / float32: " in done.stdout, done.stdout
 
 
+def test_imports_bench_times_both_ways_and_prints_the_cpu():
+    done = subprocess.run(
+        [sys.executable, "bench/imports.py", "--repeat", "1", "--module", "rlworkers.models"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "CPU: " in done.stdout and "torch " in done.stdout, done.stdout
+    (row,) = [line.split() for line in done.stdout.splitlines() if line.startswith("rlworkers.models ")]
+    assert len(row) == 6 and all(float(value.rstrip("s")) > 0 for value in row[1:]), row
+
+
 BURN_8_CPU_S = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 8: pass"
 
 

@@ -118,19 +118,20 @@ def test_workers_and_flows_import_without_scikit_learn_or_scipy_optimize():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_transformers_model_table_is_made_once_then_read_from_disk_and_equals_transformers_own(tmp_path):
-    """rlworkers/transformers_import.py: the first process makes transformers' table of model classes and keeps it
-    on disk; the next reads it (transformers' own function is not called); a corrupt file is made again; the table
-    is the one transformers makes; and the lazy classes still import."""
+def test_transformers_tables_are_made_once_then_read_from_disk_and_equal_transformers_own(tmp_path):
+    """rlworkers/transformers_import.py: the first process makes transformers' model table and the distributions'
+    map and keeps them on disk; the next reads them (transformers' own function is not called for the models
+    folder); a corrupt file is made again; both equal what transformers makes; the lazy classes still import."""
     code = (
-        "import json, sys, rlworkers, transformers; "
+        "import json, sys, importlib.metadata, rlworkers, transformers; "
         "from transformers import AutoModelForCausalLM, LlamaForCausalLM; "
         "from transformers.utils import import_utils; "
         "wrapper = import_utils.create_import_structure_from_path; "
-        "folder = transformers.__file__.rsplit('/', 1)[0] + '/models'; "
         "calls = wrapper.build.cache_info().misses; "
+        "folder = transformers.__file__.rsplit('/', 1)[0] + '/models'; "
         "made = wrapper.build.__wrapped__(folder); "
-        "print(json.dumps({'calls': calls, 'same': wrapper(folder) == made, "
+        "mapping = import_utils.PACKAGE_DISTRIBUTION_MAPPING == importlib.metadata.packages_distributions(); "
+        "print(json.dumps({'calls': calls, 'same': wrapper(folder) == made and mapping, "
         "'class': LlamaForCausalLM.__name__}))"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
@@ -140,12 +141,17 @@ def test_transformers_model_table_is_made_once_then_read_from_disk_and_equals_tr
         return json.loads(done.stdout.splitlines()[-1])
 
     first = run()
-    (kept,) = (tmp_path / "rlflow").glob("transformers-*-import-structure-*.json")
     assert first["calls"] > 500 and first["same"] and first["class"] == "LlamaForCausalLM"  # ~520 model folders
+    (table,) = (tmp_path / "rlflow").glob("transformers-import-structure-*.json")
+    (mapping,) = (tmp_path / "rlflow").glob("packages-distributions-*.json")
+    assert "torch" in json.loads(mapping.read_text())["value"]
     second = run()  # made here: only the folders of the model packages imported (each reads its own when imported)
     assert second["calls"] < 20 and second["same"] and second["class"] == "LlamaForCausalLM"
-    kept.write_text('{"dict": [["albert", ')  # cut off mid-write, as by a full disk
-    assert run()["calls"] > 500 and json.loads(kept.read_text())
+    table.write_text('{"key": "')  # cut off mid-write, as by a full disk
+    mapping.write_text('{"key": "another environment", "value": {}}')
+    third = run()
+    assert third["calls"] > 500 and third["same"] and json.loads(table.read_text())["value"]
+    assert "torch" in json.loads(mapping.read_text())["value"]
     assert run()["calls"] < 20
 
 
