@@ -16,9 +16,9 @@ the controller) calls :func:`prepare_transformers_import`. When transformers' im
   a threshold of assisted decoding rlflow never uses, and scipy.optimize for the losses of its object-detection
   models: ~1 s each in every process. Their availability checks say no.
 
-What is kept lives in ``~/.cache/rlflow`` (``$XDG_CACHE_HOME/rlflow``), a file per table and Python environment, with
-the key it was made for; a file that is missing, unreadable or made for another key is made again, as transformers
-would, and written atomically. Measured: bench/imports.py.
+What is kept lives in ``~/.cache/rlflow`` (``$XDG_CACHE_HOME/rlflow``), a file per table and Python environment (and
+for the map, per set of folders), with the key it was made for; a file that is missing, unreadable or made for
+another key is made again, as transformers would, and written atomically. Measured: bench/imports.py.
 """
 
 from __future__ import annotations
@@ -72,13 +72,25 @@ class _AdjustOnImport(importlib.abc.MetaPathFinder):
 @contextlib.contextmanager
 def _kept_packages_distributions():
     make = importlib.metadata.packages_distributions
-    folders = [path for path in sys.path if path and os.path.isdir(path)]
+    folders = _distribution_folders()  # one file per set of folders (a process that imported Ray has one more)
+    name = "packages-distributions-" + hashlib.sha256("|".join(folders).encode()).hexdigest()[:12]
     key = "|".join(f"{folder}:{os.stat(folder).st_mtime_ns}" for folder in folders)
-    importlib.metadata.packages_distributions = lambda: _kept("packages-distributions", key, make)
+    importlib.metadata.packages_distributions = lambda: _kept(name, key, make)
     try:
         yield
     finally:
         importlib.metadata.packages_distributions = make
+
+
+def _distribution_folders() -> list[str]:
+    """The folders of ``sys.path`` that hold installed distributions (a package installed or removed changes the
+    folder's modification time); not the others (a Ray worker's and its controller's differ)."""
+    folders = []
+    for folder in sys.path:
+        with contextlib.suppress(OSError), os.scandir(folder or ".") as entries:
+            if any(entry.name.endswith((".dist-info", ".egg-info")) for entry in entries):
+                folders.append(os.path.abspath(folder or "."))
+    return folders
 
 
 def _not_for_rlflow() -> bool:
