@@ -2,11 +2,11 @@
 
 ``import rlworkers`` (which every process of a run does before it imports transformers: the workers, the task host,
 the controller) calls :func:`prepare_transformers_import`. When transformers' import machinery
-(``transformers.utils.import_utils``) is first imported, three things change in it, before anything reads them:
+(``transformers.utils.import_utils``) is first imported, these things change in it, before anything reads them:
 
 - At its import it maps every installed package to its distributions (``importlib.metadata.packages_distributions``:
   the metadata of ~300 distributions read and parsed, ~0.5 s on a 2-core Xeon). The map depends on what is
-  installed only: it is kept on disk and read again while no folder of ``sys.path`` changed.
+  installed only: it is kept on disk and read again while no folder of ``sys.path`` that holds distributions changed.
 - It builds the lazy table of its model classes by reading each of the ~2,800 files of its ~520 model folders
   (``create_import_structure_from_path``, ~0.5 s), and does so twice: ``transformers`` and ``transformers.models``
   ask for the same folder under two keys (the folder, and the ``__init__.py`` in it). The table depends on the
@@ -15,6 +15,8 @@ the controller) calls :func:`prepare_transformers_import`. When transformers' im
 - scikit-learn and scipy are installed (mlflow needs them), and transformers would import scikit-learn's metrics for
   a threshold of assisted decoding rlflow never uses, and scipy.optimize for the losses of its object-detection
   models: ~1 s each in every process. Their availability checks say no.
+- transformers imports accelerate, which imports boto3 (installed for object storage) for its SageMaker settings
+  (``accelerate config``), ~0.3 s: accelerate's check of boto3 (``accelerate.utils.imports``) says no.
 
 What is kept lives in ``~/.cache/rlflow`` (``$XDG_CACHE_HOME/rlflow``), a file per table and Python environment (and
 for the map, per set of folders), with the key it was made for; a file that is missing, unreadable or made for
@@ -36,37 +38,53 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-_MODULE = "transformers.utils.import_utils"
+_TRANSFORMERS = "transformers.utils.import_utils"
+_ACCELERATE = "accelerate.utils.imports"
 
 
 def prepare_transformers_import() -> None:
     """Arrange for transformers' import machinery to be adjusted when it is first imported (see above)."""
-    if _MODULE in sys.modules:  # imported before rlworkers: transformers imports the usual way in this process
+    if _TRANSFORMERS in sys.modules:  # imported before rlworkers: transformers imports the usual way in this process
         return
     if not any(isinstance(finder, _AdjustOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AdjustOnImport())
 
 
 class _AdjustOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``transformers.utils.import_utils`` as Python would, runs it with the kept distributions' map, and
-    adjusts it right after."""
+    """Finds the modules above as Python would, and runs each through its function below instead of directly."""
+
+    def __init__(self):
+        self.pending = {_TRANSFORMERS: _run_transformers_machinery, _ACCELERATE: _run_accelerate_checks}
 
     def find_spec(self, name, path, target=None):
-        if name != _MODULE:
+        run_adjusted = self.pending.pop(name, None)
+        if run_adjusted is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.pending:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(module):
-            with _kept_packages_distributions():
-                run_module(module)
-            _adjust(module)
-
-        spec.loader.exec_module = exec_module
+        run = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: run_adjusted(module, run)
         return spec
+
+
+def _run_transformers_machinery(import_utils, run) -> None:
+    with _kept_packages_distributions():
+        run(import_utils)
+    for check in ("is_sklearn_available", "is_scipy_available"):
+        if hasattr(import_utils, check):
+            setattr(import_utils, check, _not_for_rlflow)
+    build = getattr(import_utils, "create_import_structure_from_path", None)
+    if build is not None:
+        import_utils.create_import_structure_from_path = _kept_import_structure(build)
+
+
+def _run_accelerate_checks(imports, run) -> None:
+    run(imports)
+    if hasattr(imports, "is_boto3_available"):
+        imports.is_boto3_available = _not_for_rlflow
 
 
 @contextlib.contextmanager
@@ -95,15 +113,6 @@ def _distribution_folders() -> list[str]:
 
 def _not_for_rlflow() -> bool:
     return False
-
-
-def _adjust(import_utils) -> None:
-    for check in ("is_sklearn_available", "is_scipy_available"):
-        if hasattr(import_utils, check):
-            setattr(import_utils, check, _not_for_rlflow)
-    build = getattr(import_utils, "create_import_structure_from_path", None)
-    if build is not None:
-        import_utils.create_import_structure_from_path = _kept_import_structure(build)
 
 
 def _kept_import_structure(build):

@@ -103,16 +103,16 @@ def test_ensure_refuses_a_partial_folder(tmp_path):
         ensure_tiny_model(tmp_path / "partial")
 
 
-def test_workers_and_flows_import_without_scikit_learn_or_scipy_optimize():
-    # both are installed (mlflow needs them), but transformers would import them in every worker for nothing
-    # (mlflow itself imports scipy.sparse in the flow's process)
+def test_workers_and_flows_import_without_scikit_learn_scipy_optimize_or_boto3():
+    # all three are installed (mlflow needs the first two, object storage boto3), but transformers (and accelerate)
+    # would import them in every worker for nothing (mlflow itself imports scipy.sparse in the flow's process)
     code = (
         "import sys; import rlworkers.workers.actor_rollout_ref, rlworkers.workers.critic; "
         "from transformers import GenerationMixin; "
-        "in_workers = [m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')]; "
+        "in_workers = [m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy', 'boto3', 'botocore')]; "
         "assert not in_workers, in_workers[:3]; "
         "import flows.grpo, flows.ppo; "
-        "in_flows = [m for m in sys.modules if m.startswith(('sklearn', 'scipy.optimize'))]; "
+        "in_flows = [m for m in sys.modules if m.startswith(('sklearn', 'scipy.optimize', 'boto3'))]; "
         "assert not in_flows, in_flows[:3]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
