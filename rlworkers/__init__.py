@@ -5,8 +5,11 @@ so ``import rlworkers`` (and any submodule that does not need it) stays free of 
 """
 
 from rlworkers.transformers_import import prepare_transformers_import
+from rlworkers.worker_start import pause_gc_while_importing
 
-prepare_transformers_import()  # before anything imports transformers: see rlworkers/transformers_import.py
+# before anything imports torch or transformers: see the two modules
+pause_gc_while_importing()
+prepare_transformers_import()
 
 __all__ = ["DataProto"]
 

@@ -120,6 +120,12 @@ class Echo(Worker):
     async def async_whoami(self):
         return self.rank
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def garbage_collector(self):
+        import gc
+
+        return gc.isenabled(), gc.get_freeze_count()
+
 
 class Summer(Worker):
     """A second role: reads what Echo produced."""
@@ -176,6 +182,16 @@ def test_worker_env_and_one_to_all(echo_group):
     assert all(i["tag"] == [1, 2] for i in infos)  # a list argument is broadcast, never scattered
     assert len({i["master"] for i in infos}) == 1 and infos[0]["master"][1] is not None
     assert echo_group.execute_all_sync("getenv", "LOCAL_RANK") == ["0", "0", "0", "0"]  # Ray: one GPU per actor
+
+
+def test_a_workers_imports_are_frozen_and_its_collector_runs_again_once_it_is_constructed(echo_group):
+    """rlworkers/worker_start.py: the collector is off while a worker process imports, then on, with what the imports
+    made frozen; a process that is not a Ray worker (this one, a controller's) is left as it is."""
+    import gc
+
+    for enabled, frozen in echo_group.garbage_collector():
+        assert enabled and frozen > 100_000  # torch alone makes more
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_all_to_all_broadcasts_lists(echo_group):
