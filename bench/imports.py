@@ -1,16 +1,20 @@
-"""What a process of a run spends importing, with transformers imported as rlflow imports it
-(rlworkers/transformers_import.py: the distributions' map and the model table kept on disk) and the usual way.
+"""What a process of a run spends importing: with transformers imported as rlflow imports it
+(rlworkers/transformers_import.py: the distributions' map and the model table kept on disk, boto3 not imported by
+accelerate), the usual way, and as a Ray worker of rlflow imports (the same, with the garbage collector off while it
+imports: rlworkers/worker_start.py).
 
-Each import runs in a fresh process, the two kinds in turn (A B A B ...: the machine's speed drifts), ``--repeat``
-pairs after one pair not counted (it writes what is kept); printed: the median wall and CPU seconds of each kind and
-their ratio, with the CPU beside them. The modules: a worker's (``rlworkers.workers.actor_rollout_ref``; every
-worker and task host imports it) and the controller's of ``rlflow train sft`` (``flows.sft``).
+Each import runs in a fresh process, the kinds in turn (A B C A B C ...: the machine's speed drifts), ``--repeat``
+rounds after one not counted (it writes what is kept); printed: the median wall and CPU seconds of each kind and
+the median ratio of each to the usual way's, with the CPU beside them. The modules: a worker's
+(``rlworkers.workers.actor_rollout_ref``; every worker and task host imports it) and the controller's of ``rlflow
+train sft`` (``flows.sft``).
 
     .venv/bin/python bench/imports.py [--repeat 8] [--module rlworkers.workers.actor_rollout_ref]
 
 "The usual way" imports ``transformers.utils.import_utils`` before rlworkers (rlworkers then leaves transformers
-as it is) and sets the scikit-learn and scipy checks as rlflow did before the rest was kept on disk, so the ratio
-is that of what is kept on disk.
+as it is) and sets the scikit-learn and scipy checks as rlflow did before the rest, so its ratio is that of what
+is kept and of the collector. Outside a Ray worker ``import rlworkers`` leaves the collector on: the third kind
+turns it off itself, as a Ray worker's start does.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ def timed(code: str) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+KINDS = {
+    "usual": USUAL,
+    "rlflow": "",
+    "Ray worker": "import gc; gc.disable(); ",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=8)
@@ -50,19 +61,18 @@ def main() -> None:
     args = parser.parse_args()
     modules = args.module or ["rlworkers.workers.actor_rollout_ref", "flows.sft"]
     print(f"CPU: {cpu_description()}; cache: {os.environ.get('XDG_CACHE_HOME') or '~/.cache'}/rlflow")
-    columns = ("kept wall", "usual wall", "kept CPU", "usual CPU", "ratio wall")
-    print(f"{'module':40s} " + " ".join(f"{column:>10s}" for column in columns))
+    print(f"{'module':40s} {'kind':>10s} {'wall s':>8s} {'CPU s':>8s} {'/ usual':>8s}")
     for module in modules:
-        kept_code, usual_code = f"import {module}", f"{USUAL}import {module}"
-        timed(kept_code), timed(usual_code)  # the first writes what is kept
-        kept, usual = [], []
+        for prefix in KINDS.values():  # the first of each writes what is kept
+            timed(f"{prefix}import {module}")
+        runs = {kind: [] for kind in KINDS}
         for _ in range(args.repeat):
-            kept.append(timed(kept_code))
-            usual.append(timed(usual_code))
-        wall_k, wall_u = (statistics.median(w for w, _ in runs) for runs in (kept, usual))
-        cpu_k, cpu_u = (statistics.median(c for _, c in runs) for runs in (kept, usual))
-        ratio = statistics.median(k[0] / u[0] for k, u in zip(kept, usual))
-        print(f"{module:40s} {wall_k:9.2f}s {wall_u:9.2f}s {cpu_k:9.2f}s {cpu_u:9.2f}s {ratio:10.2f}")
+            for kind, prefix in KINDS.items():
+                runs[kind].append(timed(f"{prefix}import {module}"))
+        for kind, times in runs.items():
+            wall, cpu = statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
+            ratio = statistics.median(w / u for (w, _), (u, _) in zip(times, runs["usual"]))
+            print(f"{module:40s} {kind:>10s} {wall:8.2f} {cpu:8.2f} {ratio:8.2f}")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,27 @@
-"""How rlflow's processes import transformers: the same library, ~1.5 s sooner in every process.
+"""How rlflow's processes import transformers: the same library, with less of every process's start spent on it.
 
 ``import rlworkers`` (which every process of a run does before it imports transformers: the workers, the task host,
 the controller) calls :func:`prepare_transformers_import`. When transformers' import machinery
 (``transformers.utils.import_utils``) is first imported, these things change in it, before anything reads them:
 
 - At its import it maps every installed package to its distributions (``importlib.metadata.packages_distributions``:
-  the metadata of ~300 distributions read and parsed, ~0.5 s on a 2-core Xeon). The map depends on what is
-  installed only: it is kept on disk and read again while no folder of ``sys.path`` that holds distributions changed.
+  the metadata of every installed distribution read and parsed). The map depends on what is installed only: it is
+  kept on disk and read again while no folder of ``sys.path`` that holds distributions changed.
 - It builds the lazy table of its model classes by reading each of the ~2,800 files of its ~520 model folders
-  (``create_import_structure_from_path``, ~0.5 s), and does so twice: ``transformers`` and ``transformers.models``
-  ask for the same folder under two keys (the folder, and the ``__init__.py`` in it). The table depends on the
-  installed files only: it is kept on disk, for the installed transformers (its version and the modification times
-  of its ``models`` folder, that folder's ``__init__.py`` and the import machinery).
+  (``create_import_structure_from_path``), and does so twice: ``transformers`` and ``transformers.models`` ask for
+  the same folder under two keys (the folder, and the ``__init__.py`` in it). The table depends on the installed
+  files only: it is kept on disk, for the installed transformers (its version and the modification times of its
+  ``models`` folder, that folder's ``__init__.py`` and the import machinery).
 - scikit-learn and scipy are installed (mlflow needs them), and transformers would import scikit-learn's metrics for
   a threshold of assisted decoding rlflow never uses, and scipy.optimize for the losses of its object-detection
-  models: ~1 s each in every process. Their availability checks say no.
+  models, in every process. Their availability checks say no.
 - transformers imports accelerate, which imports boto3 (installed for object storage) for its SageMaker settings
-  (``accelerate config``), ~0.3 s: accelerate's check of boto3 (``accelerate.utils.imports``) says no.
+  (``accelerate config``): accelerate's check of boto3 (``accelerate.utils.imports``) says no.
 
 What is kept lives in ``~/.cache/rlflow`` (``$XDG_CACHE_HOME/rlflow``), a file per table and Python environment (and
 for the map, per set of folders), with the key it was made for; a file that is missing, unreadable or made for
-another key is made again, as transformers would, and written atomically. Measured: bench/imports.py.
+another key is made again, as transformers would, and written atomically. What each saves: bench/imports.py and
+docs/performance.md.
 """
 
 from __future__ import annotations

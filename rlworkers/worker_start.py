@@ -1,13 +1,13 @@
 """A Ray worker process's start without Python's garbage collector going through its imports again and again.
 
-A worker (or the flow's task host) imports torch, transformers and the rest when its actor is created: ~400,000
-objects, and Python's collector went through all of them about six times while they were made (~0.8 s of a 5.5 s
-start on a 2-core Xeon; a full collection of them alone is ~0.3 s). In a Ray worker process, ``import rlworkers``
-(the first of rlflow's modules it imports) turns the collector off, and the actor's constructor turns it on again once
-the imports are done (``Worker.__init__``, ``TaskHost.__init__``), with what the imports made frozen (``gc.freeze``:
-modules, classes and functions live as long as the process; later collections no longer go through them). A process
-that never constructs one (a plain Ray task that imports rlworkers) has it on again after ``_LONGEST_PAUSE_S``.
-Elsewhere (a controller, a notebook) nothing changes.
+A worker (or the flow's task host) imports torch, transformers and the rest when its actor is created: hundreds of
+thousands of objects, and Python's collector goes through all of them several times while they are made (a large share
+of the import; docs/performance.md). In a Ray worker process, ``import rlworkers`` (the first of rlflow's modules it
+imports) turns the collector off, and the actor's constructor turns it on again once the imports are done
+(``Worker.__init__``, ``TaskHost.__init__``), with what the imports made frozen (``gc.freeze``: modules, classes and
+functions live as long as the process; later collections no longer go through them). A process that never constructs one
+(a plain Ray task that imports rlworkers) has it on again after ``_LONGEST_PAUSE_S``. Elsewhere (a controller, a
+notebook) nothing changes.
 """
 
 from __future__ import annotations
