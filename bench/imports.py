@@ -1,7 +1,7 @@
 """What a process of a run spends importing: with transformers imported as rlflow imports it
 (rlworkers/transformers_import.py: the distributions' map and the model table kept on disk, boto3 not imported by
-accelerate), the usual way, and as a Ray worker of rlflow imports (the same, with the garbage collector off while it
-imports: rlworkers/worker_start.py).
+accelerate), the usual way, and as rlflow's Ray workers and controllers import (the same, with the garbage collector
+off while they import: rlworkers/process_start.py).
 
 Each import runs in a fresh process, the kinds in turn (A B C A B C ...: the machine's speed drifts), ``--repeat``
 rounds after one not counted (it writes what is kept); printed: the median wall and CPU seconds of each kind and
@@ -14,7 +14,7 @@ train sft`` (``flows.sft``).
 "The usual way" imports ``transformers.utils.import_utils`` before rlworkers (rlworkers then leaves transformers
 as it is) and sets the scikit-learn and scipy checks as rlflow did before the rest, so its ratio is that of what
 is kept and of the collector. Outside a Ray worker ``import rlworkers`` leaves the collector on: the third kind
-turns it off itself, as a Ray worker's start does.
+turns it off itself, as a Ray worker's start and ``flows.launch.get_flow`` do.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def timed(code: str) -> tuple[float, float]:
 KINDS = {
     "usual": USUAL,
     "rlflow": "",
-    "Ray worker": "import gc; gc.disable(); ",
+    "no collect": "import gc; gc.disable(); ",
 }
 
 

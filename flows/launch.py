@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flows.startup import mark_flow_called
+from rlworkers.process_start import collector_off_while_importing
 
 ALGORITHMS = ("sft", "grpo", "ppo", "online_dpo")
 
@@ -13,16 +14,17 @@ def get_flow(algorithm: str):
     Raises:
         ValueError: ``algorithm`` is not one of ``ALGORITHMS``.
     """
-    if algorithm == "sft":
-        from flows.sft import sft as flow_fn
-    elif algorithm == "grpo":
-        from flows.grpo import grpo as flow_fn
-    elif algorithm == "ppo":
-        from flows.ppo import ppo as flow_fn
-    elif algorithm == "online_dpo":
-        from flows.online_dpo import online_dpo as flow_fn
-    else:
+    if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    with collector_off_while_importing():  # torch, transformers, Prefect, MLflow: see rlworkers/process_start.py
+        if algorithm == "sft":
+            from flows.sft import sft as flow_fn
+        elif algorithm == "grpo":
+            from flows.grpo import grpo as flow_fn
+        elif algorithm == "ppo":
+            from flows.ppo import ppo as flow_fn
+        else:
+            from flows.online_dpo import online_dpo as flow_fn
     return flow_fn
 
 

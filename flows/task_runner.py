@@ -257,14 +257,14 @@ class TaskHost:
     def __init__(self, preload: tuple[str, ...] = ()):
         import importlib
 
+        from rlworkers.process_start import resume_gc
         from rlworkers.single_controller.base.worker import WORKING_DIR_ENV
-        from rlworkers.worker_start import resume_gc
 
         if os.environ.get(WORKING_DIR_ENV):  # the flow's (flows/groups.py _service_env): relative paths
             os.chdir(os.environ[WORKING_DIR_ENV])
         for module in preload:  # here, not in a method: no task thread runs before the constructor has finished
             importlib.import_module(module)
-        resume_gc()  # the imports of this process are done (rlworkers/worker_start.py)
+        resume_gc()  # the imports of this process are done (rlworkers/process_start.py)
         self._settings: dict[str, Any] = {}  # key of a flow-side SettingsContext -> SettingsContext
         self._flow_runs: dict[str, dict] = {}  # key of a serialized flow run context -> that dict
         self._clients: dict[str, Any] = {}  # API URL -> started SyncPrefectClient

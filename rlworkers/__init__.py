@@ -4,8 +4,8 @@
 so ``import rlworkers`` (and any submodule that does not need it) stays free of torch and tensordict.
 """
 
+from rlworkers.process_start import pause_gc_while_importing
 from rlworkers.transformers_import import prepare_transformers_import
-from rlworkers.worker_start import pause_gc_while_importing
 
 # before anything imports torch or transformers: see the two modules
 pause_gc_while_importing()

@@ -185,7 +185,7 @@ def test_worker_env_and_one_to_all(echo_group):
 
 
 def test_a_workers_imports_are_frozen_and_its_collector_runs_again_once_it_is_constructed(echo_group):
-    """rlworkers/worker_start.py: the collector is off while a worker process imports, then on, with what the imports
+    """rlworkers/process_start.py: the collector is off while a worker process imports, then on, with what the imports
     made frozen; a process that is not a Ray worker (this one, a controller's) is left as it is."""
     import gc
 

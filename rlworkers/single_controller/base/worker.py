@@ -23,8 +23,8 @@ import time
 
 import torch
 
+from rlworkers.process_start import resume_gc
 from rlworkers.single_controller.base.decorator import Dispatch, Execute, register
-from rlworkers.worker_start import resume_gc
 
 _ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _RENDEZVOUS_STORE = None  # one per process: colocated roles share it
@@ -96,7 +96,7 @@ class Worker:
     """Base class for workers. Outside a WorkerGroup it behaves as rank 0 of a world of 1."""
 
     def __init__(self, cuda_visible_devices: str | None = None):
-        resume_gc()  # the imports of this process are done (rlworkers/worker_start.py)
+        resume_gc()  # the imports of this process are done (rlworkers/process_start.py)
         if os.environ.get(WORKING_DIR_ENV):  # relative paths mean what they mean to the controller
             os.chdir(os.environ[WORKING_DIR_ENV])
         self._rank = int(os.environ.get("RANK", 0))

@@ -1,4 +1,4 @@
-"""A Ray worker process's start without Python's garbage collector going through its imports again and again.
+"""A process's start without Python's garbage collector going through its imports again and again.
 
 A worker (or the flow's task host) imports torch, transformers and the rest when its actor is created: hundreds of
 thousands of objects, and Python's collector goes through all of them several times while they are made (a large share
@@ -7,11 +7,13 @@ imports) turns the collector off, and the actor's constructor turns it on again 
 (``Worker.__init__``, ``TaskHost.__init__``), with what the imports made frozen (``gc.freeze``: modules, classes and
 functions live as long as the process; later collections no longer go through them). A process that never constructs one
 (a plain Ray task that imports rlworkers) has it on again after ``_LONGEST_PAUSE_S``. Elsewhere (a controller, a
-notebook) nothing changes.
+notebook) nothing changes at import; a controller runs the import of its flow (``flows.launch.get_flow``, the bulk of
+its start) with the collector off (``collector_off_while_importing``), then on again as it was, nothing frozen.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import threading
@@ -39,4 +41,17 @@ def resume_gc() -> None:
     if _paused:
         _paused = False
         gc.freeze()
+        gc.enable()
+
+
+@contextlib.contextmanager
+def collector_off_while_importing():
+    """The collector off for the imports in the ``with`` block, then on again (if it was on before)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
         gc.enable()
