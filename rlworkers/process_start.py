@@ -23,6 +23,7 @@ _paused = False
 
 
 def pause_gc_while_importing() -> None:
+    """In a Ray worker process (and only there): the collector off until ``resume_gc`` or ``_LONGEST_PAUSE_S``."""
     global _paused
     ray_worker = sys.modules.get("ray._private.worker")
     in_ray_worker = ray_worker is not None and getattr(ray_worker.global_worker, "mode", None) == ray_worker.WORKER_MODE
