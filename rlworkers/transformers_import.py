@@ -132,7 +132,10 @@ def _kept_import_structure(build):
         stamps = [os.stat(p) for p in (models, models / "__init__.py", machinery)]
         key = "|".join([str(models), version, *(f"{s.st_mtime_ns}:{s.st_size}" for s in stamps)])
         table = _kept("transformers-import-structure", key, lambda: _encode(build(module_path)))
-        return _decode(table)
+        try:
+            return _decode(table)
+        except (KeyError, TypeError, ValueError, AttributeError):  # a file of the right key and a wrong shape
+            return build(module_path)
 
     import_structure.build = build
     return import_structure
