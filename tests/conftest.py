@@ -24,18 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 # (test-minutes in `make test` on the 2-core CI machine, 2026-11-28: smollm2-vllm ~25, promotion 15, flows 13, cluster
 # 12.5, schedule 12.4, topology 8). The SmolLM2 group starts beside test_schedule, whose tests mostly wait on servers:
 # beside the promotion module's training (2026-11-28 19:08) its runs took about twice as long and the killed-and-resumed
-# agent run passed pytest-timeout's 600 s.
+# agent run passed pytest-timeout's 600 s. The two modules that start from the demo's SFT-warmed tiny model share one
+# process, so its warm-up (``sft_warmed_tiny``) runs once.
+SFT_WARMED = {"test_promotion", "test_training"}
 HEAVY_MEMORY = {"test_agent_rollouts", "test_readme_agents", "test_real_model", "test_real_model_training",
                 "test_vllm_rollout", "test_lora"}  # fmt: skip
-LONGEST_FIRST = ["smollm2-vllm", "test_schedule", "test_promotion", "test_flows", "test_topology", "test_cluster",
-                 "test_training", "test_publish_crashes", "test_lineage", "test_readme", "test_local_ray",
+LONGEST_FIRST = ["smollm2-vllm", "test_schedule", "sft-warmed", "test_flows", "test_topology", "test_cluster",
+                 "test_publish_crashes", "test_lineage", "test_readme", "test_local_ray",
                  "test_server_auth", "test_single_controller", "test_single_controller_verl_parity", "test_benches",
                  "test_object_store"]  # fmt: skip
 
 
 def suite_group(nodeid: str) -> str:
     module = Path(nodeid.split("::", 1)[0]).stem
-    return "smollm2-vllm" if module in HEAVY_MEMORY else module
+    return "smollm2-vllm" if module in HEAVY_MEMORY else "sft-warmed" if module in SFT_WARMED else module
 
 
 def pytest_collection_modifyitems(config, items):
@@ -185,6 +187,22 @@ def services(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def sft_warmed_tiny(ray_cluster, services, tmp_path_factory) -> Path:
+    """The folder of the tiny model after the demo's SFT warm-up (flows/configs/demo-sft.yaml: 700 steps of 2-digit
+    addition; here on one worker, with no validation, checkpoint or published model), run once in this process for
+    the modules that start from it: test_promotion's lineages (the gate's outcomes there are those of this model)
+    and test_training's GRPO."""
+    from in_process import train_here
+
+    runs = tmp_path_factory.mktemp("sft-warmed")
+    train_here(
+        "sft", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm", "trainer.test_freq=0",
+        "trainer.save_freq=0", "trainer.log_model=false", "trainer.n_workers=1",
+    )  # fmt: skip
+    return runs / "warm" / "final_model"
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from in_process import train_here
 from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow, rlflow_in_background
 
@@ -44,35 +45,16 @@ def score(prompts, responses, **columns):
 
 
 @pytest.fixture(scope="module")
-def job(ray_cluster, services, tmp_path_factory):
-    """The demo's SFT-warmed tiny model (about 3 in 4 held-out sums right) and a hackable reward file."""
+def job(sft_warmed_tiny, tmp_path_factory):
+    """The demo's SFT-warmed tiny model (conftest's ``sft_warmed_tiny``) and a hackable reward file."""
     folder = tmp_path_factory.mktemp("promotion")
     (folder / "hackable.py").write_text(HACKABLE_REWARD)
-    runs = folder / "runs"
-    train_here(
-        "sft", "demo-sft", f"trainer.runs_dir={runs}", "trainer.run_name=warm", "trainer.test_freq=0",
-        "trainer.save_freq=0", "trainer.log_model=false", "trainer.n_workers=1",
-    )  # fmt: skip
     return {
         "folder": folder,
-        "runs": runs,
-        "model": runs / "warm" / "final_model",
+        "runs": folder / "runs",
+        "model": sft_warmed_tiny,
         "lineage": f"gate-{uuid.uuid4().hex[:6]}",
     }
-
-
-def train_here(algorithm: str, preset: str, *overrides: str) -> None:
-    """What `rlflow train <algorithm> --config <preset> <overrides>` runs, in this process: its worker processes are
-    kept from one run to the next (the gate is under test here; `rlflow train` itself is for the runs below that are
-    paused, killed or read from the terminal)."""
-    from flows.config import load_config
-    from flows.groups import ray_task_runner
-    from flows.launch import get_flow
-
-    config = load_config(preset, list(overrides))
-    config.check_algorithm(algorithm)
-    state = get_flow(algorithm).with_options(task_runner=ray_task_runner())(config=config, return_state=True)
-    assert state.is_completed(), state.message
 
 
 def lineage_overrides(job, *overrides: str) -> list[str]:

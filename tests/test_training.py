@@ -1,5 +1,7 @@
-"""Real training on real Ray: a 2-worker data-parallel group SFT-warms the tiny model on 2-digit addition, then
-GRPO raises its reward. Fixed seeds; CPU results are deterministic (one thread per Ray worker)."""
+"""Real training on real Ray, through worker groups driven from the test (no flow): a 2-worker data-parallel group
+SFT-trains the tiny model on 2-digit addition (the loss falls, the replicas stay identical, the checkpoint resumes on
+every rank), and GRPO on two workers raises the reward of the demo's SFT-warmed model (conftest's
+``sft_warmed_tiny``). Fixed seeds; CPU results are deterministic (one thread per Ray worker)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from rlworkers.workers.reward import RewardWorker
 pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
 
 ROWS = addition_rows(num_train=2000, num_val=200, max_digits=2, seed=0)
-SFT_STEPS = 700
+# enough for the loss to fall by half; the model GRPO starts from is the demo's 700-step warm-up (``sft_warmed_tiny``)
+DDP_SFT_STEPS = 60
 
 
 def actor_group(config: dict, role: str):
@@ -63,39 +66,36 @@ def sft_config(model_path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sft_checkpoint(reward_group, tmp_path_factory):
-    """SFT warm-up of the tiny model on 2 data-parallel workers; returns (checkpoint path, losses, accuracy)."""
-    path, reward = reward_group
+def ddp_sft(reward_group, tmp_path_factory):
+    """SFT of the tiny model on 2 data-parallel workers; returns (checkpoint path, losses, weight checksums)."""
+    path, _ = reward_group
     tokenizer = load_tokenizer(path)
-    config = sft_config(path)
-    group, pool = actor_group(config, "actor_rollout")
+    group, pool = actor_group(sft_config(path), "actor_rollout")
     rng = random.Random(0)
     losses = []
-    for _ in range(SFT_STEPS):
+    for _ in range(DDP_SFT_STEPS):
         metrics = group.sft_step(sft_batch(rng.sample(ROWS["train"], 64), tokenizer)).meta_info["metrics"]
         losses.append(float(np.mean(metrics["sft/loss"])))
     checksums = group.get_weights_checksum()
-    scores = greedy_scores(group, reward, tokenizer, ROWS["validation"])
     checkpoint = str(tmp_path_factory.mktemp("sft") / "step_final")
     group.save_checkpoint(checkpoint)
     group.shutdown()
     pool.remove()
-    return checkpoint, losses, checksums, scores
+    return checkpoint, losses, checksums
 
 
-def test_data_parallel_sft_learns_and_keeps_replicas_identical(sft_checkpoint):
-    _, losses, checksums, scores = sft_checkpoint
+def test_data_parallel_sft_lowers_the_loss_and_keeps_replicas_identical(ddp_sft):
+    _, losses, checksums = ddp_sft
     assert checksums[0] == checksums[1]  # DDP all-reduce kept both replicas bit-identical
-    assert np.mean(losses[-20:]) < 0.3 * np.mean(losses[:5])
-    assert scores.mean() > 0.2  # greedy exact-match on held-out sums
+    assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:5]), losses
 
 
-def test_a_ddp_checkpoint_holds_adamw_state_once_and_every_rank_resumes_from_it(sft_checkpoint, reward_group):
+def test_a_ddp_checkpoint_holds_adamw_state_once_and_every_rank_resumes_from_it(ddp_sft, reward_group):
     """AdamW's state is the same on every DDP rank: rank 0 alone writes it (not one copy a worker), and both ranks
     of a new group load it, so their next step keeps the replicas identical (a rank without it would step apart)."""
     import torch
 
-    checkpoint, *_ = sft_checkpoint
+    checkpoint, *_ = ddp_sft
     path, _ = reward_group
     states = {rank: torch.load(f"{checkpoint}/actor_state_rank_{rank}.pt", weights_only=True) for rank in (0, 1)}
     assert states[0]["optimizer"]["state"] and "optimizer" not in states[1] and "rng" in states[1]
@@ -111,12 +111,11 @@ def test_a_ddp_checkpoint_holds_adamw_state_once_and_every_rank_resumes_from_it(
         pool.remove()
 
 
-def test_grpo_raises_reward_of_sft_model(sft_checkpoint, reward_group):
-    checkpoint, _, _, sft_scores = sft_checkpoint
+def test_grpo_raises_reward_of_sft_model(sft_warmed_tiny, reward_group):
     path, reward = reward_group
     tokenizer = load_tokenizer(path)
     config = {
-        "model": {"path": checkpoint},
+        "model": {"path": str(sft_warmed_tiny)},
         "rollout": {"response_length": 4, "n": 8},
         "actor": {
             "ppo_mini_batch_size": 128,
@@ -128,6 +127,8 @@ def test_grpo_raises_reward_of_sft_model(sft_checkpoint, reward_group):
     }
     group, pool = actor_group(config, "actor_rollout_ref")
     try:
+        sft_scores = greedy_scores(group, reward, tokenizer, ROWS["validation"])
+        assert sft_scores.mean() > 0.2  # the SFT warm-up taught greedy exact-match on held-out sums
         before = group.get_weights_checksum()
         rng = random.Random(1)
         scores = []
