@@ -63,7 +63,7 @@ def grpo(config: RLConfig) -> dict:
                 # the next step's generation starts as soon as this update ends (when nothing is due in between)
                 run.submit_ahead(step + 1, lambda: generate(step + 1, after=[update]))
                 result = update.result()
-                run.kl_ctrl_state = result.kl_ctrl_state
+                run.keep_kl_ctrl_state(result.kl_ctrl_state)
                 metrics.update(result.metrics)
     # fmt: on
     return run.last_metrics

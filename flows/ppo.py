@@ -65,7 +65,7 @@ def ppo(config: RLConfig) -> dict:
                 # the next step's generation starts as soon as both updates end (when nothing is due in between)
                 run.submit_ahead(step + 1, lambda: generate(step + 1, after=[critic_result, update]))
                 result = update.result()
-                run.kl_ctrl_state = result.kl_ctrl_state
+                run.keep_kl_ctrl_state(result.kl_ctrl_state)
                 metrics.update(critic_result.result())
                 metrics.update(result.metrics)
     # fmt: on

@@ -1,6 +1,6 @@
 """What a run does when a step fails: find the workers that died or hung, replace them, restore the newest valid
-checkpoint (or the start) and rewind the run's steps, within ``trainer.max_restarts``; and what it refuses to retry
-(every worker alive: a bug or bad data a restart would repeat; a checkpoint store that failed). ``run`` is the
+checkpoint (or the start) and say where the run rewinds to, within ``trainer.max_restarts``; and what it refuses to
+retry (every worker alive: a bug or bad data a restart would repeat; a checkpoint store that failed). ``run`` is the
 flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from datetime import datetime
 from prefect import get_run_logger
 from prefect.exceptions import UnfinishedRun
 
-from flows.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
+from flows.run_checkpoints import STATEFUL_ROLES, TrainState, checkpoint_root, restore
 from flows.stages import is_task_run_of_step
 from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
 from rlworkers.single_controller import PlacementError, StageTimeout
@@ -33,9 +33,10 @@ class StepFailed(RuntimeError):
     """A step failed with every worker alive (a bug or bad data, which a restart would repeat)."""
 
 
-def recover(run, step: int, error: Exception) -> None:
-    """After a failed step: replace the workers that died or hung, restore every stateful group from the
-    newest valid checkpoint (or the start) and rewind ``steps``, at most ``trainer.max_restarts`` times.
+def recover(run, step: int, error: Exception) -> TrainState:
+    """After a failed step: replace the workers that died or hung and restore every stateful group from the
+    newest valid checkpoint (or the start), at most ``trainer.max_restarts`` times; returns that checkpoint's
+    ``TrainState`` (or the run's ``initial_state``), which the run rewinds to (``Run.rewind``) to redo what it lost.
 
     Raises the step's error when every worker is alive (a restart would repeat it) or when the checkpoint
     store failed (a restart could not restore from it either), and ``FaultBudgetExhausted`` past the budget."""
@@ -77,25 +78,23 @@ def recover(run, step: int, error: Exception) -> None:
         for name in sorted(rebuild):
             restart_group(run, name)
         if checkpoint:
-            restore(run, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
+            state = restore(run, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
         else:
-            run.loader.load_state_dict(run.start_state["loader"])
-            run.kl_ctrl_state, run.start_step = run.start_state["kl_ctrl_state"], 1
+            state = run.initial_state
     except Exception as during_recovery:  # another worker lost while recovering: one more fault
-        recover(run, step, during_recovery)
-        return
-    run.redo_from = run.start_step
+        return recover(run, step, during_recovery)
     seconds = time.perf_counter() - started
     run.tracker.log_metrics({"fault/restarts": len(run.faults), "fault/recovery_s": seconds}, step)
     if run.progress:
-        run.progress.update(run.start_step - 1, restarts=len(run.faults))
+        run.progress.update(state.step, restarts=len(run.faults))
     log.warning(
         "recovered in %.1f s: rebuilt %s, resuming at step %d from %s",
         seconds,
         sorted(rebuild),
-        run.start_step,
+        state.step + 1,
         checkpoint[0] if checkpoint else "the start model",
     )
+    return state
 
 
 def stage_cut(error: BaseException, failures: list[str]) -> tuple[str, float] | None:

@@ -2,19 +2,41 @@
 ``trainer.save_freq`` steps and at the end), what one holds (``save``: the state of the actor, critic and reward
 groups, the data loader's position, the KL controller, the MLflow run and the config; each checkpoint published as a
 Prefect artifact, its manifest logged to MLflow), and how a run continues from one (``restore``: at a resume, or
-after a worker fault). The ``save_checkpoint`` stage (flows/stages.py) writes one; ``rlworkers.checkpoint`` commits,
-checks and prunes them.
+after a worker fault). The controller's part of what one holds is a ``TrainState``: the run takes it
+(``Run.train_state``) and goes back to it (``Run.rewind``) itself. The ``save_checkpoint`` stage (flows/stages.py)
+writes one; ``rlworkers.checkpoint`` commits, checks and prunes them.
 
 ``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass, fields
 
 from flows.stages import save_checkpoint
 from flows.tracking import publish_checkpoint_artifact
 
 STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """The controller's state that a checkpoint holds and that a resume, or the recovery from a worker fault,
+    restores (the workers hold the rest: weights, optimizer, random generators): the last step done (0: none), the
+    data loader's position, the adaptive KL controller's state. ``trainer_state.json`` is this with what names the
+    run it belongs to (``RUN_FIELDS``), which a resume checks."""
+
+    step: int
+    loader: dict
+    kl_ctrl_state: dict | None = None
+
+    @classmethod
+    def from_checkpoint(cls, trainer_state: dict) -> TrainState:
+        """The state in a checkpoint's ``trainer_state.json`` (read as a dict)."""
+        return cls(**{f.name: trainer_state[f.name] for f in fields(cls)})
+
+
+RUN_FIELDS = ("algorithm", "mlflow_run_id", "world_size", "config")  # trainer_state.json's fields beside TrainState's
 
 
 def checkpoint_root(root: str) -> str:
@@ -32,10 +54,8 @@ def save(run, step: int) -> float:
     """Checkpoint the run as it is after ``step`` (the MLflow metrics up to it flushed first); the seconds the
     workers' save took (``timing_s/save_checkpoint``, logged at ``step``)."""
     state = {
-        "step": step,
+        **asdict(run.train_state(step)),
         "algorithm": run.algorithm,
-        "loader": run.loader.state_dict(),
-        "kl_ctrl_state": run.kl_ctrl_state,
         "mlflow_run_id": run.tracker.run_id,
         "world_size": run.config.trainer.n_workers,
         "config": run.config.model_dump(mode="json"),
@@ -54,13 +74,11 @@ def save(run, step: int) -> float:
     return seconds
 
 
-def restore(run, path: str, state: dict) -> None:
-    """Load the checkpoint at ``path`` (its ``trainer_state.json`` read as ``state``) into every stateful group,
-    the data loader and the KL controller; the run continues at the step after it."""
+def restore(run, path: str, trainer_state: dict) -> TrainState:
+    """Load the checkpoint at ``path`` (its ``trainer_state.json`` read as ``trainer_state``) into every stateful
+    group; the controller's state it holds, which the run rewinds to (``Run.rewind``) to continue after it."""
     for role in STATEFUL_ROLES:
         if role in run.groups:
             run.groups[role].load_checkpoint(f"{path}/{role}")
-    run.loader.load_state_dict(state["loader"])
-    run.kl_ctrl_state = state["kl_ctrl_state"]
-    run.start_step = state["step"] + 1
     run.last_checkpoint = path
+    return TrainState.from_checkpoint(trainer_state)

@@ -187,7 +187,7 @@ def _start_workers(run: Run, roles: tuple[str, ...], resume, state: dict | None,
         get_run_logger().info(
             "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
         )
-    run.start_state = {"loader": loader.state_dict(), "kl_ctrl_state": None}
+    run.initial_state = run.train_state(0)
     if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
         lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
     run.groups = build_groups(config, roles, record.model_dir)
@@ -195,7 +195,7 @@ def _start_workers(run: Run, roles: tuple[str, ...], resume, state: dict | None,
         record_precision(run.groups["actor"], run.tracker)
     clock.mark("worker_groups")
     if resume:
-        restore(run, resume[0], state)
+        run.rewind(restore(run, resume[0], state))
         clock.mark("restore")
     run.progress = ProgressArtifact(name, config.trainer.total_steps)
     if sys.stderr.isatty():

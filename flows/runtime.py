@@ -23,6 +23,7 @@ from flows.config import RLConfig
 from flows.groups import ray_outlives_the_run, release_group
 from flows.recovery import recover
 from flows.rows import chat_template_kwargs
+from flows.run_checkpoints import TrainState
 from flows.run_publish import publish
 from flows.startup import StartupClock
 from flows.tracking import ProgressArtifact, Tracker
@@ -50,15 +51,15 @@ class Run:
     tracker: Tracker
     eval_sets: list[evaluation.EvalSet] = field(default_factory=list)
     groups: dict[str, RayWorkerGroup | RuleReward] = field(default_factory=dict)  # by role (see groups.build_groups)
-    start_step: int = 1
-    kl_ctrl_state: dict | None = None
+    start_step: int = 1  # the first step left to train (after the state the run rewound to: ``rewind``)
+    kl_ctrl_state: dict | None = None  # the adaptive KL controller's, after the last step (``keep_kl_ctrl_state``)
     progress: ProgressArtifact | None = None
     terminal: "TerminalProgress | None" = None
     last_metrics: dict = field(default_factory=dict)
     record: lineage.RunRecord | None = None
     val_scores: dict[int, float] = field(default_factory=dict)  # step -> val/score/mean (run_evaluation.validate)
-    redo_from: int | None = None  # set by recovery: the step the loop goes back to (see step_blocks)
-    start_state: dict = field(default_factory=dict)  # where a fault before the first checkpoint rewinds to
+    redo_from: int | None = None  # after a recovery: the step the loop goes back to (see step_blocks)
+    initial_state: TrainState | None = None  # where a fault before the first checkpoint rewinds to
     faults: list[str] = field(default_factory=list)
     last_cut: tuple[int, str] | None = None  # (step, stage) of the last fault if a time limit cut it (recovery.py)
     lock: ExitStack = field(default_factory=ExitStack)  # the lineage's slot (run_lock.py)
@@ -88,6 +89,22 @@ class Run:
             next_step = block[-1] + 1
             if self.redo_from is not None:  # the block failed and recovery restored a checkpoint: redo what it lost
                 next_step, self.redo_from = self.redo_from, None
+
+    # ------------------------------------------------------------------------------------------ state
+    def train_state(self, step: int) -> TrainState:
+        """The controller's state after ``step`` (a checkpoint's, ``run_checkpoints.save``)."""
+        return TrainState(step=step, loader=self.loader.state_dict(), kl_ctrl_state=self.kl_ctrl_state)
+
+    def rewind(self, state: TrainState) -> None:
+        """Go back to ``state`` (a checkpoint's, or ``initial_state``): the data, the KL controller and the steps
+        left continue from there."""
+        self.loader.load_state_dict(state.loader)
+        self.kl_ctrl_state = state.kl_ctrl_state
+        self.start_step = state.step + 1
+
+    def keep_kl_ctrl_state(self, state: dict | None) -> None:
+        """The adaptive KL controller's state after a step's advantages (the next step's starts from it)."""
+        self.kl_ctrl_state = state
 
     # ------------------------------------------------------------------------------------------ batches
     def next_rows(self) -> list[dict]:
@@ -162,7 +179,8 @@ class Run:
                 self.tracker.log_metrics({"perf/orchestration_overhead_frac": overhead}, step, wait=False)
             self.last_metrics["perf/orchestration_overhead_frac"] = overhead
         except Exception as error:
-            recover(self, steps[0], error)
+            self.rewind(recover(self, steps[0], error))
+            self.redo_from = self.start_step
 
     def log_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> None:
         """Log a step's metrics with throughput and its time in the workers (see ``worker_time``)."""
@@ -219,7 +237,7 @@ class Run:
                         run_evaluation.validate(self, step=0)
                     run_evaluation.evaluate(self, 0)
                 except Exception as error:
-                    recover(self, 0, error)
+                    self.rewind(recover(self, 0, error))
             self.log_startup()
             yield
             publish(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -32,10 +33,12 @@ from safetensors.torch import load_file
 from flows.config import ConfigError, load_config, runs_root
 from flows.groups import end_kept_groups, ray_task_runner
 from flows.grpo import grpo
+from flows.lineage import read_result
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
+from flows.run_checkpoints import RUN_FIELDS, TrainState
 from flows.sft import sft
-from rlworkers.checkpoint import list_checkpoints
+from rlworkers.checkpoint import list_checkpoints, read_json
 from rlworkers.models.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
@@ -135,6 +138,12 @@ def test_grpo_flow_end_to_end(env):
     checkpoint_rows = [row for a in artifacts if a.key == f"{name}-checkpoints" for row in _table_rows(a)]
     assert sorted(row["step"] for row in checkpoint_rows) == [2, 3]
     link = next(a for a in artifacts if a.key == f"{name}-mlflow")
+    # a checkpoint holds the controller's TrainState and what names its run, nothing else; the last one, the state
+    # the run ended in (the data loader's position that result.json records too)
+    root = runs_root(config)
+    trainer_state = read_json(f"{root}/checkpoints/step_3/trainer_state.json")
+    assert set(trainer_state) == {f.name for f in dataclasses.fields(TrainState)} | set(RUN_FIELDS)
+    assert TrainState.from_checkpoint(trainer_state) == TrainState(3, read_result(root)["data_cursor"], None)
 
     client, run = mlflow_run(name)
     assert run.info.run_id in link.data
