@@ -158,8 +158,8 @@ class TrainerConfig(_Frozen):
         1,
         ge=1,
         description="SFT only: training steps per sft_step task, one batch and one optimizer step each, every step "
-        "logged (Keras's steps_per_execution): a task's ~10 ms of orchestration shared by that many steps, for "
-        "steps so short that it shows; a block of steps ends where validation or a checkpoint is due",
+        "logged (Keras's steps_per_execution): a task's orchestration shared by that many steps, for steps so "
+        "short that it shows; a block of steps ends where validation or a checkpoint is due",
     )
     keep_last_checkpoints: int = Field(2, description="retention; <= 0 keeps all")
     runs_dir: str = Field("runs", description="local path or fsspec URL (s3://...) shared by driver and workers")

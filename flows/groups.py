@@ -29,10 +29,11 @@ logger = logging.getLogger(__name__)
 # that ends lets its groups' workers go (``Worker.end_for_reuse``) but keeps their processes, in their placement; the
 # next run of the process builds its workers in those of the same class, size, resources and environment
 # (``RayWorkerGroup.reinitialize``: seeded and set up exactly as in new processes) instead of starting processes that
-# import torch and transformers again (~9 CPU-seconds each on a 2-core machine). In the local Ray of `rlflow server up`
-# the groups of every run are kept so, for the next run of any process (flows/kept.py). A run that starts its own Ray
-# (``rlflow train`` with no local Ray up, a deployment run then) ends its groups with it. Kept groups that a build does
-# not take are ended then, so they never hold the placement a run needs; ``end_kept_groups()`` ends them at any time.
+# import torch and transformers again (most of a short run's CPU: docs/performance.md). In the local Ray of `rlflow
+# server up` the groups of every run are kept so, for the next run of any process (flows/kept.py). A run that starts
+# its own Ray (``rlflow train`` with no local Ray up, a deployment run then) ends its groups with it. Kept groups that
+# a build does not take are ended then, so they never hold the placement a run needs; ``end_kept_groups()`` ends them
+# at any time.
 _kept_groups: list[tuple[tuple, RayWorkerGroup]] = []
 _keys: weakref.WeakKeyDictionary[RayWorkerGroup, tuple] = weakref.WeakKeyDictionary()  # of reusable groups built
 _kept_groups_lock = threading.Lock()
@@ -412,7 +413,7 @@ def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None,
         init_kwargs["num_cpus"] = num_cpus or int(os.environ.get("RLFLOW_RAY_NUM_CPUS", max(8, os.cpu_count() or 1)))
         # Ray starts idle worker processes for the driver's job at once, but every actor rlflow starts has a
         # runtime env of its own (per-rank variables) and never uses them: on a small machine they only slow the
-        # worker groups' start-up (about 1 s of the demo's 15 s here).
+        # worker groups' start-up (docs/performance.md).
         init_kwargs["_system_config"] = {"prestart_worker_first_driver": False}
     else:
         init_kwargs.pop("include_dashboard")  # a setting of the cluster's head, not of a client

@@ -8,10 +8,10 @@ by tests/test_prefect_internals.py) fails naming the one that an upgrade removed
 
 - ``ContextModel.__var__`` of ``SettingsContext`` and ``FlowRunContext`` (the ContextVar behind each context class):
   ``serialize_context_reusing`` sets them to stand-ins that return an already serialized form, then calls Prefect's
-  own ``serialize_context``. Dumping every setting is most of what a stock submit costs (~30 ms here), and settings do
-  not change while a flow runs.
+  own ``serialize_context``. Dumping every setting is most of what a stock submit costs, and settings do not
+  change while a flow runs.
 - ``PrefectTaskRunFuture._final_state``: where a future keeps its task run's final state (Prefect's own futures and
-  prefect-ray's set it the same way); ``state`` then answers without asking the API (~10 ms a read here).
+  prefect-ray's set it the same way); ``state`` then answers without asking the API (a request per read).
 - ``TaskRunner._started``: set by ``TaskRunner.__enter__``; ``submit`` refuses work before it, as Prefect's runners do.
 - ``SettingsContext`` (fields ``profile``, ``settings``) and ``SyncClientContext`` (field ``client``) built with
   pydantic's ``model_construct``: each task in the host enters its own copy of a settings context validated once, and

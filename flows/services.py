@@ -109,7 +109,7 @@ class ServiceConfig(BaseModel):
         "basic-auth admin); unset = no authentication (fine on 127.0.0.1, not on a shared interface)",
     )
     # One uvicorn worker: the handlers are thread-pooled, so one worker serves several logging processes, and
-    # MLflow's default of 4 costs ~4 python processes (and their start-up) on a 2-core machine.
+    # MLflow's default of 4 starts 4 Python processes (and pays their start-up) for a server one person uses.
     mlflow_workers: int = Field(1, ge=1)
 
     @field_validator("state_dir")
@@ -301,7 +301,7 @@ def _write_mlflow_auth_config(config: ServiceConfig) -> None:
     'mlflow_auth' on PostgreSQL), the admin (``auth``'s user, created on the first start) given in the environment.
     Signed-in users may read every experiment, and change only what they are granted (MLflow's default). A user's
     password is checked once a minute, not at every request (MLflow's auth_cache_ttl_seconds, off by default): its
-    scrypt hash costs ~0.12 CPU-s a check on an AVX2-only 2-core AMD EPYC, and a run sends hundreds of requests. A
+    scrypt hash is slow by design (docs/performance.md), and a run sends hundreds of requests. A
     wrong password is checked every time; a changed or deleted one is refused within a minute at most."""
     root = config.state_dir / "mlflow"
     root.mkdir(parents=True, exist_ok=True)

@@ -13,19 +13,19 @@ as prefect-ray 0.6.0's ``RayTaskRunner`` (still the baseline of bench/overhead.p
    every submit is a method call on it. No ``max_calls=1`` either: stock Ray tasks with ``num_gpus`` get a fresh
    process per task.
 2. **Settings and flow run serialized once.** A stock submit dumps every Prefect setting into the task's
-   context (most of its cost: ~30 ms here) and every task validates them all again. Here the flow side serializes
+   context (most of its cost) and every task validates them all again. Here the flow side serializes
    them once per ``SettingsContext`` (immutable) into the object store and sends a key; the host validates them
    once per key and each task enters a copy. The flow run's part of the context (the flow, the flow run, its
-   parameters: ~2 ms to dump and pickle per submit here) goes the same way, once per flow run state.
+   parameters) goes the same way, once per flow run state.
 3. **One Prefect client per host.** Stock tasks build two new HTTP clients per task (``hydrated_context`` and the
-   task engine each call ``get_client``; each loads the CA bundle, ~24 ms here). The host opens one client per API
+   task engine each call ``get_client``; each loads the CA bundle). The host opens one client per API
    URL and puts it in a ``SyncClientContext`` for each task, which both then reuse.
 4. **Plain console logging in the host.** What a task run logs goes to the Prefect API (the UI shows it) and to the
    host's stderr, a Ray log file: the host prints it there with a plain ``logging.StreamHandler`` (same format)
-   instead of Prefect's rich console, which took ~2.5 ms of every task ("Finished in state Completed()").
+   instead of Prefect's rich console, a noticeable share of every task's cost ("Finished in state Completed()").
 5. **A completed task sends back its return value, not its state.** Stock tasks return their final ``State``, so
    every downstream task gets States as parameters and resolves each with ``State.result()``, a coroutine run from
-   a sync thread (~0.7 ms apiece here; 3 of them in the GRPO advantage stage), and so does the flow. Here a task
+   a sync thread (3 of them in the GRPO advantage stage), and so does the flow. Here a task
    that ended Completed returns its value and any other final state (Failed, Crashed, ...) returns as before;
    ``HostFuture`` turns a value back into a ``Completed`` state for ``wait``/``state``. The edges of the run graph
    that stock tasks find in those States (``task_inputs``) are sent along as the task run's ``dependencies``.
@@ -35,17 +35,17 @@ as prefect-ray 0.6.0's ``RayTaskRunner`` (still the baseline of bench/overhead.p
    the references in the parameters.
 7. **A result goes from task to task inside the host.** A stock task that gets an upstream future waits for Ray to
    resolve it: the upstream task's result goes back to the flow process (its owner), which then sends the waiting
-   task on with it: 7-10 ms between one stage's end and the next one's start here, 3 times per GRPO step. Here a
+   task on with it: a round trip between one stage's end and the next one's start, 3 times per GRPO step. Here a
    future of a task of the same host goes as a ``HandOff`` (its task run id and reference, not a Ray dependency):
    the task starts in the host at once, waits there for the upstream task to finish and takes its result, pickled
    once by the upstream task (each task unpickles its own copy, as from Ray's store; the same bytes go back to the
    flow as the Ray result). The host keeps a result only while tasks wait for it; one that comes later reads it
    from Ray's store. A result is handed on as soon as the upstream task's function returns it, while Prefect's
-   engine records the upstream's Completed state: the next task starts meanwhile (a few ms sooner per hand-off here;
-   the upstream's completion hooks, if it has any, run beside it). In the host a ``HandOff`` becomes a
+   engine records the upstream's Completed state: the next task starts meanwhile (sooner by that recording; the
+   upstream's completion hooks, if it has any, run beside it). In the host a ``HandOff`` becomes a
    ``HandedOffFuture``, which Prefect's engine waits for as for any upstream future: the task run is created and
    Pending while its upstream runs, as with Prefect's own runners, so only the engine's steps from Pending to Running
-   come between the upstream's end and this task's start (a few ms less per GRPO step here). It starts once the
+   come between the upstream's end and this task's start. It starts once the
    upstream's function has started, not before: the host's tasks share one GIL, and five engines starting beside the
    step's first task would delay it.
 
@@ -113,7 +113,7 @@ _last_flow_run: list = [(None, None, {})]  # [(FlowRunContext, its flow run's st
 def serialize_context_once(asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``prefect.context.serialize_context(asset_ctx_kwargs)`` with the settings serialized once per
     ``SettingsContext``: it is immutable, and dumping every setting (secrets handled) is most of what a stock
-    submit costs (~30 ms here). The flow run context is serialized again only when it or its flow run's state
+    submit costs. The flow run context is serialized again only when it or its flow run's state
     changed (a state change replaces the state object; nothing else in it changes while the flow's body runs)."""
     from prefect.context import FlowRunContext, SettingsContext
 

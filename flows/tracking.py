@@ -224,8 +224,8 @@ def publish_mlflow_link(run_name: str, url: str) -> None:
 class ProgressArtifact:
     """A Prefect progress artifact for the run; its description counts the restarts.
 
-    Sent at most once per ``MIN_INTERVAL_S`` while steps go by (a step of the demo takes ~0.15 s, and each update is
-    a request the server handles), and always for the last step, a restart, and on ``close``."""
+    Sent at most once per ``MIN_INTERVAL_S`` while steps go by (a step of the demo is far shorter, and each update
+    is a request the server handles), and always for the last step, a restart, and on ``close``."""
 
     MIN_INTERVAL_S = 1.0
 
@@ -270,7 +270,7 @@ class ProgressArtifact:
 
     def _client(self):
         """One Prefect client for every update, opened in the sending thread: prefect's ``update_progress_artifact``
-        builds a new client per call, and each loads the CA bundle (~20 ms of CPU here, every step)."""
+        builds a new client per call, and each loads the CA bundle (CPU at every step)."""
         if self._open_client is None:
             from prefect.client.orchestration import get_client
 

@@ -6,7 +6,7 @@ No model hub is reachable on the machines this project is developed and tested o
 does): its requirements (``llm``, ``llama-cpp-python``, which compiles) are not needed to read the file, and the
 package is never imported (its ``__init__`` imports ``llm``); the file is found through its distribution metadata.
 
-Building the folder (once, ~30 s on 2 CPU cores):
+Building the folder (once; it takes a while, on CPU cores):
 
 - transformers reads the GGUF (it needs the ``gguf`` and ``accelerate`` packages, both in rlflow's dependencies):
   the tokenizer (byte-level BPE, 49152 tokens, the ChatML chat template; bos ``<|im_start|>``, eos and pad

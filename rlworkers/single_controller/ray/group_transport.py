@@ -1,7 +1,7 @@
 """How a ``RayWorkerGroup`` travels to another process (a Prefect task in the task host): its handles and bindings,
 rebound on arrival. A process that gets the same group again (every task in a long-lived task host) reuses the
-one it unpickled then instead of deserializing each actor handle again (~0.6 ms for an actor group). Under Ray
-Client (a ``ray://`` controller) the state travels as is, through Ray Client's own pickler, which turns the
+one it unpickled then instead of deserializing each actor handle again, at every call that sends the group. Under
+Ray Client (a ``ray://`` controller) the state travels as is, through Ray Client's own pickler, which turns the
 handles into the cluster's."""
 
 from __future__ import annotations

@@ -41,9 +41,8 @@ this process the RPC is a direct call (no serialisation, no disk, no engine rest
 fused layers (qkv_proj, gate_up_proj) and re-runs each layer's post-load processing — on CPU that re-packs the
 linear weights for oneDNN, which a plain ``model.load_weights`` would leave stale. The prefix cache is then reset
 (its KV blocks were computed with the old weights). Cost: one copy of the weights plus the re-pack, layer by
-layer (transient memory about one layer); measured on a shared 2-core CPU (bench/rollout.py prints it): 15-70 ms
-for the 2.6M-parameter tiny model, 40-300 ms for a 21M-parameter one. A checkpoint round trip instead would
-cost a save, a load and an engine restart (7-13 s for the first engine in a process here).
+layer (transient memory about one layer); bench/rollout.py prints its time (docs/performance.md has figures). A
+checkpoint round trip instead would cost a save, a load and an engine restart (seconds).
 
 Sleep mode (CUDA only; vLLM's CPU worker ignores it). The engine is created with ``enable_sleep_mode=True``;
 after each ``generate_sequences`` it sleeps at level 1 (KV cache freed, weights offloaded to host memory) so the
