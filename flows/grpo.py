@@ -51,7 +51,8 @@ def grpo(config: RLConfig) -> dict:
 
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
-    with run.training():
+    with run.training():  # the workers released and the MLflow run closed, however it ends
+        run.validate_start()
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
                 gen = run.submitted_ahead(step) or generate(step)                                       # 1
@@ -65,5 +66,6 @@ def grpo(config: RLConfig) -> dict:
                 result = update.result()
                 run.keep_kl_ctrl_state(result.kl_ctrl_state)
                 metrics.update(result.metrics)
+        run.publish()  # evaluate, save and register the final model; in a lineage, gate it (maybe a person's approval)
     # fmt: on
     return run.last_metrics

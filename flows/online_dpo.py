@@ -54,7 +54,8 @@ def online_dpo(config: RLConfig) -> dict:
     actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
-    with run.training():
+    with run.training():  # the workers released and the MLflow run closed, however it ends
+        run.validate_start()
         for step in run.steps:
             with run.step(step, CRITICAL_PATH) as metrics:
                 gen = generate_sequences.submit(actor, run.next_prompts(), step)                    # 1
@@ -62,5 +63,6 @@ def online_dpo(config: RLConfig) -> dict:
                 pairs = preference_pairs.submit(gen, parts, config.trainer.n_workers,               # 3
                                                 config.algorithm.dpo_beta, step)
                 metrics.update(update_actor_dpo.submit(actor, pairs, step).result())                # 4
+        run.publish()  # evaluate, save and register the final model; in a lineage, gate it (maybe a person's approval)
     # fmt: on
     return run.last_metrics

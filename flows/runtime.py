@@ -223,24 +223,15 @@ class Run:
 
     @contextmanager
     def training(self):
-        """Around a flow's loop: validate a fresh run first; at the end publish the final model; always release the
-        workers and close the MLflow run (FAILED on an exception, which then ends the flow run Failed).
+        """Around a flow's body: always release the workers and close the MLflow run, FINISHED when the body
+        ended, FAILED on an exception (which then ends the flow run Failed).
 
         Stage tasks run in the task runner's host actor (flows/task_runner.py), which asks Ray for no CPU: they
         only call the worker groups, whose placement groups hold the resources, so a cluster that lost a node still
         has room to run them. Ray does not re-run a stage task that failed: ``recover`` decides what to redo."""
         status = "FAILED"
         try:
-            while self.start_step == 1 and not (0 in self.val_scores and run_evaluation.saved_results(self, "start")):
-                try:
-                    if 0 not in self.val_scores:
-                        run_evaluation.validate(self, step=0)
-                    run_evaluation.evaluate(self, 0)
-                except Exception as error:
-                    self.rewind(recover(self, 0, error))
-            self.log_startup()
             yield
-            publish(self)
             status = "FINISHED"
         except BaseException as error:
             status = end_status(error)
@@ -248,6 +239,24 @@ class Run:
             raise
         finally:
             self.close(status)
+
+    def validate_start(self) -> None:
+        """Before step 1 of a fresh run: validate the start model (``val/score/mean`` at step 0) and evaluate it
+        on the eval sets (a resumed run did both before it stopped), recovering from worker faults as a step does;
+        then log the start-up's phases."""
+        while self.start_step == 1 and not (0 in self.val_scores and run_evaluation.saved_results(self, "start")):
+            try:
+                if 0 not in self.val_scores:
+                    run_evaluation.validate(self, step=0)
+                run_evaluation.evaluate(self, 0)
+            except Exception as error:
+                self.rewind(recover(self, 0, error))
+        self.log_startup()
+
+    def publish(self) -> dict:
+        """After the last step: evaluate the final model, save it, log and register it, and in a lineage gate it
+        (``trainer.promotion=manual``: the run pauses for a person's approval); see ``flows.run_publish``."""
+        return publish(self)
 
     def log_startup(self) -> None:
         """The start-up's phases as ``timing_s/startup/*`` at the step before the first one, and in one line."""

@@ -27,9 +27,11 @@ from flows.stages import sft_step
 def sft(config: RLConfig) -> dict:
     run = start_run(config, "sft", roles=("actor", "reward"))
     actor = run.groups["actor"]
-    with run.training():
+    with run.training():  # the workers released and the MLflow run closed, however it ends
+        run.validate_start()
         for steps in run.step_blocks(config.trainer.steps_per_task):  # one step per task unless configured
             with run.step_block(steps, [["sft_step"]]) as metrics:
                 batches = [run.next_sft_batch() for _ in steps]
                 metrics.extend(sft_step.submit(actor, batches, steps[0], steps[-1]).result())
+        run.publish()  # evaluate, save and register the final model; in a lineage, gate it (maybe a person's approval)
     return run.last_metrics
