@@ -1,6 +1,6 @@
 """A lineage's new version: the promotion gate's decision on it (flows/evaluation.py), and a person's when
-``trainer.promotion=manual`` asks for one. ``run`` is the flow's ``flows.runtime.Run``, after its final model was
-registered."""
+``trainer.promotion=manual`` asks for one. ``run`` is the run's ``RunState`` (flows/run_state.py), after its final model
+was registered."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prefect.input import RunInput
 from pydantic import Field
 
 from flows import evaluation, lineage, run_evaluation, versions
+from flows.run_state import RunState
 from flows.tracking import artifact_key
 
 
@@ -20,7 +21,7 @@ class PromotionApproval(RunInput):
     comment: str = Field("", description="why (recorded on the model version and in the champion history)")
 
 
-def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
+def promote(run: RunState, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     """Run the promotion gate on the final model's primary eval results (flows/evaluation.py) against the
     champion as it is now (never a score cached earlier: a resumed run, or one whose champion moved while it
     trained, compares with the current one); ask a person first with ``trainer.promotion=manual``. The decision is
@@ -51,7 +52,7 @@ def promote(run, version: str, final: dict[str, evaluation.EvalResults]) -> str:
     return f"v{version} {verdict}: {outcome['reason']}"
 
 
-def decide(run, name: str, version: str, final: dict[str, evaluation.EvalResults]) -> tuple[dict, str]:
+def decide(run: RunState, name: str, version: str, final: dict[str, evaluation.EvalResults]) -> tuple[dict, str]:
     """The gate's decision (and a person's, with ``trainer.promotion=manual``) on ``version``, written on it
     (``versions.decide``); returns it with its markdown."""
     client, trainer, gate = run.tracker.client, run.config.trainer, run.config.eval
@@ -105,7 +106,7 @@ def start_rolled_back(client, name: str, start_uri: str) -> str | None:
     )
 
 
-def reevaluate_with(run, set_name: str):
+def reevaluate_with(run: RunState, set_name: str):
     """How the gate gets results for a champion that has none made with this run's eval settings (its eval set
     changed, or it was promoted by hand from elsewhere): evaluate it now, in this run, and point its eval tags at
     the new results, so the next run of the lineage reuses them."""
@@ -123,14 +124,14 @@ def reevaluate_with(run, set_name: str):
     return reevaluate
 
 
-def reward_change(run) -> float | None:
+def reward_change(run: RunState) -> float | None:
     """The training reward's change over the run: validation's ``val/score/mean``, final - start."""
     history = {m.step: m.value for m in run.tracker.client.get_metric_history(run.tracker.run_id, "val/score/mean")}
     total = run.config.trainer.total_steps
     return history[total] - history[0] if 0 in history and total in history else None
 
 
-def ask_approval(run, name: str, version: str, decision, markdown: str):
+def ask_approval(run: RunState, name: str, version: str, decision, markdown: str):
     """``trainer.promotion=manual``: release the workers, pause the flow run with an approve / reject form in
     the Prefect UI (the gate's comparison as its description) and follow the person's answer; no answer within
     ``trainer.approval_timeout_s`` rejects."""

@@ -1,7 +1,6 @@
 """What a run does when a step fails: find the workers that died or hung, replace them, restore the newest valid
 checkpoint (or the start) and say where the run rewinds to, within ``trainer.max_restarts``; and what it refuses to
-retry (every worker alive: a bug or bad data a restart would repeat; a checkpoint store that failed). ``run`` is the
-flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+retry (every worker alive: a bug or bad data a restart would repeat; a checkpoint store that failed)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ from datetime import datetime
 from prefect import get_run_logger
 from prefect.exceptions import UnfinishedRun
 
-from flows.run_checkpoints import STATEFUL_ROLES, TrainState, checkpoint_root, restore
+from flows.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
+from flows.run_state import RunState, TrainState
 from flows.stages import is_task_run_of_step
 from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
 from rlworkers.single_controller import PlacementError, StageTimeout
@@ -33,7 +33,7 @@ class StepFailed(RuntimeError):
     """A step failed with every worker alive (a bug or bad data, which a restart would repeat)."""
 
 
-def recover(run, step: int, error: Exception) -> TrainState:
+def recover(run: RunState, step: int, error: Exception) -> TrainState:
     """After a failed step: replace the workers that died or hung and restore every stateful group from the
     newest valid checkpoint (or the start), at most ``trainer.max_restarts`` times; returns that checkpoint's
     ``TrainState`` (or the run's ``initial_state``), which the run rewinds to (``Run.rewind``) to redo what it lost.
@@ -111,7 +111,7 @@ def stage_cut(error: BaseException, failures: list[str]) -> tuple[str, float] | 
     return None
 
 
-def restart_group(run, name: str) -> None:
+def restart_group(run: RunState, name: str) -> None:
     """New actors for one group, waiting up to ``trainer.capacity_timeout_s`` for room (a lost node)."""
     group = run.groups[name]
     deadline = time.monotonic() + run.config.trainer.capacity_timeout_s

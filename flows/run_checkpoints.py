@@ -4,36 +4,18 @@ groups, the data loader's position, the KL controller, the MLflow run and the co
 Prefect artifact, its manifest logged to MLflow), and how a run continues from one (``restore``: at a resume, or
 after a worker fault). The controller's part of what one holds is a ``TrainState``: the run takes it
 (``Run.train_state``) and goes back to it (``Run.rewind``) itself. The ``save_checkpoint`` stage (flows/stages.py)
-writes one; ``rlworkers.checkpoint`` commits, checks and prunes them.
-
-``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+writes one; ``rlworkers.checkpoint`` commits, checks and prunes them."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 
+from flows.run_state import RunState, TrainState
 from flows.stages import save_checkpoint
 from flows.tracking import publish_checkpoint_artifact
 
 STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
-
-
-@dataclass(frozen=True)
-class TrainState:
-    """The controller's state that a checkpoint holds and that a resume, or the recovery from a worker fault,
-    restores (the workers hold the rest: weights, optimizer, random generators): the last step done (0: none), the
-    data loader's position, the adaptive KL controller's state. ``trainer_state.json`` is this with what names the
-    run it belongs to (``RUN_FIELDS``), which a resume checks."""
-
-    step: int
-    loader: dict
-    kl_ctrl_state: dict | None = None
-
-    @classmethod
-    def from_checkpoint(cls, trainer_state: dict) -> TrainState:
-        """The state in a checkpoint's ``trainer_state.json`` (read as a dict)."""
-        return cls(**{f.name: trainer_state[f.name] for f in fields(cls)})
 
 
 RUN_FIELDS = ("algorithm", "mlflow_run_id", "world_size", "config")  # trainer_state.json's fields beside TrainState's
@@ -44,13 +26,13 @@ def checkpoint_root(root: str) -> str:
     return f"{root}/checkpoints"
 
 
-def should_save(run, step: int) -> bool:
+def should_save(run: RunState, step: int) -> bool:
     """Every ``trainer.save_freq`` steps and at the last one (only there when ``save_freq`` <= 0)."""
     freq = run.config.trainer.save_freq
     return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
 
 
-def save(run, step: int) -> float:
+def save(run: RunState, step: int) -> float:
     """Checkpoint the run as it is after ``step`` (the MLflow metrics up to it flushed first); the seconds the
     workers' save took (``timing_s/save_checkpoint``, logged at ``step``)."""
     state = {
@@ -74,7 +56,7 @@ def save(run, step: int) -> float:
     return seconds
 
 
-def restore(run, path: str, trainer_state: dict) -> TrainState:
+def restore(run: RunState, path: str, trainer_state: dict) -> TrainState:
     """Load the checkpoint at ``path`` (its ``trainer_state.json`` read as ``trainer_state``) into every stateful
     group; the controller's state it holds, which the run rewinds to (``Run.rewind``) to continue after it."""
     for role in STATEFUL_ROLES:

@@ -2,9 +2,7 @@
 at step 0, every ``trainer.test_freq`` steps and at the end; metrics and sample tables in MLflow) and evaluation
 (``evaluate``: the start and the final model on every eval set, its per-example results written to the run folder
 and read back by a later attempt). ``evaluate_model`` evaluates another registered model the same way, for the
-promotion gate (flows/promotion.py). The eval sets, their results and the gate are in ``flows/evaluation.py``.
-
-``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+promotion gate (flows/promotion.py). The eval sets, their results and the gate are in ``flows/evaluation.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import numpy as np
 
 from flows import evaluation, lineage, stages
 from flows.groups import build_group, plan_key, ray_outlives_the_run, release_group, take_kept_groups
+from flows.run_state import RunState
 from rlworkers.agents.trajectory import trajectory_text
 from rlworkers.data.batching import decode_responses
 from rlworkers.data.chat import conversation_as_prompt
@@ -20,7 +19,7 @@ from rlworkers.workers.config import RewardConfig
 from rlworkers.workers.reward import RuleReward
 
 
-def should_validate(run, step: int) -> bool:
+def should_validate(run: RunState, step: int) -> bool:
     """Every ``trainer.test_freq`` steps and at the last one (only there when ``test_freq`` <= 0)."""
     freq = run.config.trainer.test_freq
     return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
@@ -44,7 +43,7 @@ def reference_answers_fit(rows: list[dict], tokenizer, response_length: int, dat
     return max(lengths) <= response_length
 
 
-def validate(run, step: int) -> dict[str, float]:
+def validate(run: RunState, step: int) -> dict[str, float]:
     """The model at ``step`` on the validation rows (the first ``data.val_batch_size``), greedy and scored by the
     training reward: ``val/...`` metrics and a table of samples in MLflow. At step 0 and at the last step it also
     records the results of the implicit eval set (no ``eval.sets`` configured: the validation rows themselves)."""
@@ -80,14 +79,14 @@ def validate(run, step: int) -> dict[str, float]:
     return metrics
 
 
-def saved_results(run, label: str) -> dict[str, evaluation.EvalResults] | None:
+def saved_results(run: RunState, label: str) -> dict[str, evaluation.EvalResults] | None:
     """The results of ``label`` on every eval set, read back from the run folder; ``None`` if one is missing."""
     step = 0 if label == "start" else run.config.trainer.total_steps
     found = {s.name: evaluation.read_results(run.root, label, s, step) for s in run.eval_sets}
     return found if all(found.values()) else None
 
 
-def evaluate(run, step: int) -> dict[str, evaluation.EvalResults]:
+def evaluate(run: RunState, step: int) -> dict[str, evaluation.EvalResults]:
     """The model as it is at ``step`` (0: the start model, total_steps: the final one) on every eval set, each
     read back when an earlier attempt already evaluated it (flows/evaluation.py)."""
     label = evaluation.label_of(step)
@@ -105,7 +104,7 @@ def evaluate(run, step: int) -> dict[str, evaluation.EvalResults]:
     return results
 
 
-def generate_for_eval(run, group, eval_set, step: int):
+def generate_for_eval(run: RunState, group, eval_set, step: int):
     """``group``'s responses on ``eval_set``'s prompts with its decoding settings, scored by its scorer (the
     implicit set: by the training reward, which must then be a rule)."""
     data = run.config.data
@@ -116,7 +115,7 @@ def generate_for_eval(run, group, eval_set, step: int):
     return stages.evaluate.submit(group, RuleReward(reward, run.record.model_dir), prompts, step).result()
 
 
-def evaluate_model(run, uri: str, eval_set, label: str) -> evaluation.EvalResults:
+def evaluate_model(run: RunState, uri: str, eval_set, label: str) -> evaluation.EvalResults:
     """Another registered model (a champion with no results made with this run's settings) on ``eval_set``, as
     this run evaluates its own: the same examples, decoding, scorer and worker count, in a rollout-only group of
     its own. The run's workers are let go first (its final model is saved by then). Read back on a restart."""
@@ -149,7 +148,7 @@ def evaluate_model(run, uri: str, eval_set, label: str) -> evaluation.EvalResult
 
 
 def record_results(
-    run, eval_set, label: str, step: int, out, responses: list[str], model: str | None = None
+    run: RunState, eval_set, label: str, step: int, out, responses: list[str], model: str | None = None
 ) -> evaluation.EvalResults:
     """Per-example results of one evaluation: into the run folder (resume reads them) and MLflow (a table)."""
     batch = out.non_tensor_batch

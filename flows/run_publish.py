@@ -6,9 +6,7 @@ do") with a Prefect markdown artifact that summarises it.
 Publishing may die anywhere (a kill, a lost machine); the run's next attempt publishes again, and each step
 recognises what an earlier attempt did: the model version this MLflow run registered is found, not registered
 again; a decision recorded on it is finished, not made again (flows/versions.py); the MLflow run is FINISHED
-before ``result.json`` is written, so a run marked complete is always one the lineage's next run can continue.
-
-``run`` is the flow's ``flows.runtime.Run`` (not imported: runtime imports this module)."""
+before ``result.json`` is written, so a run marked complete is always one the lineage's next run can continue."""
 
 from __future__ import annotations
 
@@ -19,10 +17,11 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows import lineage, promotion, run_evaluation
+from flows.run_state import RunState
 from flows.tracking import artifact_key
 
 
-def publish(run) -> dict:
+def publish(run: RunState) -> dict:
     """Evaluate the final model, save it, log (and register) it, promote it in a lineage, record the data
     cursor, and mark the run complete (``result.json``); a Prefect markdown artifact summarises it."""
     started = time.perf_counter()
@@ -67,7 +66,7 @@ def publish(run) -> dict:
     return result
 
 
-def write_model_card(run, folder: str) -> None:
+def write_model_card(run: RunState, folder: str) -> None:
     """The saved model's card (``README.md``): the license and base model of the run's start model, and how it was
     trained. MLflow logs it with the model."""
     from rlworkers.models.cards import write_model_card as write_card
@@ -79,7 +78,7 @@ def write_model_card(run, folder: str) -> None:
     write_card(folder, data, config.trainer.run_name, description)
 
 
-def log_final_model(run, path: str) -> dict:
+def log_final_model(run: RunState, path: str) -> dict:
     """Log (and register) the final model, once: when an earlier attempt of this run already registered a version
     (it died before finishing to publish, maybe before it heard back from MLflow), that version is the run's."""
     name = lineage.registered_model_name(run.config)

@@ -18,10 +18,11 @@ from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orph
 from flows.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
 from flows.run_checkpoints import checkpoint_root, restore
 from flows.run_lock import one_run_at_a_time
-from flows.runtime import Run, TerminalProgress, end_status, raise_the_stop_behind
+from flows.runtime import Run, end_status, raise_the_stop_behind
 from flows.startup import StartupClock, run_clock
 from flows.tracking import (
     ProgressArtifact,
+    TerminalProgress,
     Tracker,
     prefect_flow_run_links,
     publish_mlflow_link,

@@ -1,74 +1,33 @@
-"""``Run``: what every training flow does around its loop, once ``flows.run_start.start_run`` has built it: the
-steps left (rewound by recovery, ``flows/recovery.py``), batches, per-step timing and metrics, and the workers
-released at the end. The flows themselves (``flows/grpo.py`` ...) stay the algorithm.
+"""``Run``: the loop every training flow drives, once ``flows.run_start.start_run`` has built it: the steps left
+(rewound after a worker fault, ``flows/recovery.py``), per-step timing and metrics, validation and checkpoints when
+due, the start model validated before and the final model published after, and the workers released at the end.
+What a run holds is its ``RunState`` (``flows/run_state.py``); the flows themselves (``flows/grpo.py`` ...) stay the
+algorithm.
 
-What the loop calls when it is due lives beside it, as functions of the run: validation and evaluation
+What the loop calls when it is due lives beside it, as functions of the run's state: validation and evaluation
 (``flows/run_evaluation.py``), checkpoints (``flows/run_checkpoints.py``) and the final model's publishing
 (``flows/run_publish.py``); start-up, recovery, groups and rows have their own modules too.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from prefect import get_run_logger
 
-from flows import evaluation, lineage, run_checkpoints, run_evaluation, startup
-from flows.config import RLConfig
-from flows.groups import ray_outlives_the_run, release_group
+from flows import run_checkpoints, run_evaluation, startup
+from flows.groups import ray_outlives_the_run
 from flows.recovery import recover
-from flows.rows import chat_template_kwargs
-from flows.run_checkpoints import TrainState
 from flows.run_publish import publish
-from flows.startup import StartupClock
-from flows.tracking import ProgressArtifact, Tracker
-from rlworkers.data.batching import prompt_batch, sft_batch
-from rlworkers.data.datasets import PromptDataLoader
-from rlworkers.single_controller.ray import RayWorkerGroup
-from rlworkers.workers.reward import RuleReward
-
-logger = logging.getLogger(__name__)
+from flows.run_state import CLIPPED_WARNING_RATIO, RunState
+from flows.tracking import step_summary
 
 
-CLIPPED_WARNING_RATIO = 0.5  # share of responses cut by rollout.response_length above which a run warns
-
-
-@dataclass
-class Run:
-    """The state of one training run inside its flow."""
-
-    config: RLConfig
-    algorithm: str
-    root: str
-    tokenizer: object
-    loader: PromptDataLoader
-    val_rows: list[dict]
-    tracker: Tracker
-    eval_sets: list[evaluation.EvalSet] = field(default_factory=list)
-    groups: dict[str, RayWorkerGroup | RuleReward] = field(default_factory=dict)  # by role (see groups.build_groups)
-    start_step: int = 1  # the first step left to train (after the state the run rewound to: ``rewind``)
-    kl_ctrl_state: dict | None = None  # the adaptive KL controller's, after the last step (``keep_kl_ctrl_state``)
-    progress: ProgressArtifact | None = None
-    terminal: "TerminalProgress | None" = None
-    last_metrics: dict = field(default_factory=dict)
-    record: lineage.RunRecord | None = None
-    val_scores: dict[int, float] = field(default_factory=dict)  # step -> val/score/mean (run_evaluation.validate)
-    redo_from: int | None = None  # after a recovery: the step the loop goes back to (see step_blocks)
-    initial_state: TrainState | None = None  # where a fault before the first checkpoint rewinds to
-    faults: list[str] = field(default_factory=list)
-    last_cut: tuple[int, str] | None = None  # (step, stage) of the last fault if a time limit cut it (recovery.py)
-    lock: ExitStack = field(default_factory=ExitStack)  # the lineage's slot (run_lock.py)
-    last_checkpoint: str | None = None  # the newest checkpoint this run committed or restored
-    step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
-    last_step_end: float | None = None  # perf_counter when the step before ended (its validation and checkpoint too)
-    ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
-    warned_clipped: bool = False  # a training step's responses were mostly cut by rollout.response_length (said once)
-    startup: StartupClock | None = None  # the start-up's phases (flows/startup.py), logged once the loop starts
+class Run(RunState):
+    """A run's state (``RunState``) and the loop that drives it."""
 
     @property
     def steps(self) -> Iterator[int]:
@@ -89,56 +48,6 @@ class Run:
             next_step = block[-1] + 1
             if self.redo_from is not None:  # the block failed and recovery restored a checkpoint: redo what it lost
                 next_step, self.redo_from = self.redo_from, None
-
-    # ------------------------------------------------------------------------------------------ state
-    def train_state(self, step: int) -> TrainState:
-        """The controller's state after ``step`` (a checkpoint's, ``run_checkpoints.save``)."""
-        return TrainState(step=step, loader=self.loader.state_dict(), kl_ctrl_state=self.kl_ctrl_state)
-
-    def rewind(self, state: TrainState) -> None:
-        """Go back to ``state`` (a checkpoint's, or ``initial_state``): the data, the KL controller and the steps
-        left continue from there."""
-        self.loader.load_state_dict(state.loader)
-        self.kl_ctrl_state = state.kl_ctrl_state
-        self.start_step = state.step + 1
-
-    def keep_kl_ctrl_state(self, state: dict | None) -> None:
-        """The adaptive KL controller's state after a step's advantages (the next step's starts from it)."""
-        self.kl_ctrl_state = state
-
-    # ------------------------------------------------------------------------------------------ batches
-    def next_rows(self) -> list[dict]:
-        epoch = self.loader.epoch
-        rows = self.loader.next_batch()
-        if self.loader.epoch != epoch:
-            get_run_logger().info("epoch %d of the training data done: starting epoch %d", epoch, self.loader.epoch)
-        return rows
-
-    def next_prompts(self):
-        return self.prompt_batch(self.next_rows())
-
-    def prompt_batch(self, rows: list[dict]):
-        data = self.config.data
-        return prompt_batch(
-            rows,
-            self.tokenizer,
-            prompt_key=data.prompt_key,
-            answer_key=data.answer_key,
-            max_prompt_length=data.max_prompt_length,
-            truncation=data.truncation,
-            chat_template_kwargs=chat_template_kwargs(self.config),
-        )
-
-    def next_sft_batch(self):
-        data = self.config.data
-        return sft_batch(
-            self.next_rows(),
-            self.tokenizer,
-            prompt_key=data.prompt_key,
-            response_key=data.response_key,
-            conversation_key=data.messages_key,
-            chat_template_kwargs=chat_template_kwargs(self.config),
-        )
 
     # ------------------------------------------------------------------------------------------ per step
     @contextmanager
@@ -200,15 +109,7 @@ class Run:
             self.progress.update(step)
         if self.terminal:
             self.terminal.update(step, metrics)
-        get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, _summary(metrics))
-
-    def warn_if_clipped(self, where: str, clip_ratio: float, references_fit: bool = False) -> bool:
-        """Say what ``clipped_responses_note`` says (once a run for the training steps: True when it said it)."""
-        note = clipped_responses_note(where, clip_ratio, self.config.rollout.response_length, references_fit)
-        if note is None:
-            return False
-        get_run_logger().log(*note)
-        return True
+        get_run_logger().info("step %d/%d  %s", step, self.config.trainer.total_steps, step_summary(metrics))
 
     def end_step(self, step: int, metrics: dict, critical_path: list[list[str]]) -> float:
         """Log the step, then validate and checkpoint when they are due; the seconds those two spent in their
@@ -284,16 +185,6 @@ class Run:
         """Whether validation or a checkpoint runs after ``step`` (see ``end_step``)."""
         return run_evaluation.should_validate(self, step) or run_checkpoints.should_save(self, step)
 
-    # ------------------------------------------------------------------------------------------ release
-    def distinct_groups(self) -> dict[str, RayWorkerGroup]:
-        """The worker groups of ``groups``, each once, under its first role (``trainer.colocate_ref``: the reference
-        is the actor's group); a ``RuleReward`` has no workers and is not among them."""
-        first: dict[int, tuple[str, RayWorkerGroup]] = {}
-        for name, group in self.groups.items():
-            if isinstance(group, RayWorkerGroup):
-                first.setdefault(id(group), (name, group))
-        return dict(first.values())
-
     def close(self, status: str) -> None:
         if self.terminal:
             self.terminal.stop()
@@ -303,60 +194,6 @@ class Run:
         self.tracker.finish(status)
         self.lock.close()  # the next run of the lineage may start: this one has published and closed
         startup.run_ended()
-
-    def release_workers(self, keep: bool = False) -> None:
-        """Shut every worker group down and give its placement back (at the end, or before a long pause); with
-        ``keep``, keep their processes for the next run of this process (``flows.groups.release_group``)."""
-        for group in self.distinct_groups().values():
-            release_group(group, keep=keep)
-        self.groups = {}
-
-
-def clipped_responses_note(
-    where: str, clip_ratio: float, response_length: int, references_fit: bool
-) -> tuple[int, str] | None:
-    """(log level, message) when most responses were cut by ``rollout.response_length`` before they ended, else
-    None. A WARNING with the fix when the limit may be what cuts the answers: they are likely missing, and the reward
-    curve stays flat for a reason no metric chart shows at once. Only INFO when every reference answer of the task
-    fits in the limit (``references_fit``): the model has not learned to end its answers yet, which the score already
-    shows, and the limit is not the cause (the demo's untrained model, at its first steps)."""
-    if clip_ratio <= CLIPPED_WARNING_RATIO:
-        return None
-    share = f"{100 * clip_ratio:.0f}%"
-    if references_fit:
-        return logging.INFO, (
-            f"{where}: {share} of the responses did not end within rollout.response_length={response_length} (every "
-            "reference answer fits in it: the model does not end its answers yet)"
-        )
-    return logging.WARNING, (
-        f"{where}: {share} of the responses hit rollout.response_length={response_length} without ending (EOS); "
-        "their answers may be cut off. Fix: raise rollout.response_length, or ask for shorter answers"
-    )
-
-
-class TerminalProgress:
-    """A rich progress bar with the step's key metrics, when the flow runs in a terminal."""
-
-    def __init__(self, description: str, total: int, completed: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[summary]}"),
-            console=Console(stderr=True),
-        )
-        self.task = self.bar.add_task(description, total=total, completed=completed, summary="")
-        self.bar.start()
-
-    def update(self, step: int, metrics: dict) -> None:
-        self.bar.update(self.task, completed=step, summary=_summary(metrics))
-
-    def stop(self) -> None:
-        self.bar.stop()
 
 
 # ---------------------------------------------------------------------------------------------- set-up
@@ -391,15 +228,3 @@ def worker_time(metrics: dict, critical_path: list[list[str]]) -> float:
     """A step's seconds in its stages' calls along ``critical_path`` (stages listed in order; those in one inner
     list ran concurrently, so their longest counts)."""
     return sum(max(metrics.get(f"timing_s/{stage}", 0.0) for stage in group) for group in critical_path)
-
-
-def _summary(metrics: dict) -> str:
-    keys = (
-        "critic/score/mean",
-        "sft/loss",
-        "actor/pg_loss",
-        "actor/kl_loss",
-        "val/score/mean",
-        "timing_s/step",
-    )
-    return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)

@@ -289,3 +289,40 @@ class ProgressArtifact:
 
 def artifact_key(name: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", name.lower())
+
+
+class TerminalProgress:
+    """A rich progress bar with the step's key metrics, when the flow runs in a terminal."""
+
+    def __init__(self, description: str, total: int, completed: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[summary]}"),
+            console=Console(stderr=True),
+        )
+        self.task = self.bar.add_task(description, total=total, completed=completed, summary="")
+        self.bar.start()
+
+    def update(self, step: int, metrics: dict) -> None:
+        self.bar.update(self.task, completed=step, summary=step_summary(metrics))
+
+    def stop(self) -> None:
+        self.bar.stop()
+
+
+def step_summary(metrics: dict) -> str:
+    keys = (
+        "critic/score/mean",
+        "sft/loss",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "val/score/mean",
+        "timing_s/step",
+    )
+    return "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)

@@ -421,7 +421,7 @@ def test_most_responses_cut_warn_with_the_fix_unless_every_reference_answer_fits
     demo's untrained model at its first steps: `make demo` shows no warning of its own)."""
     import logging
 
-    from flows.runtime import clipped_responses_note
+    from flows.run_state import clipped_responses_note
 
     assert clipped_responses_note("step 1", 0.5, 4, references_fit=False) is None
     level, message = clipped_responses_note("step 1", 0.59, 4, references_fit=False)

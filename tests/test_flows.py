@@ -36,7 +36,8 @@ from flows.grpo import grpo
 from flows.lineage import read_result
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
-from flows.run_checkpoints import RUN_FIELDS, TrainState
+from flows.run_checkpoints import RUN_FIELDS
+from flows.run_state import TrainState
 from flows.sft import sft
 from rlworkers.checkpoint import list_checkpoints, read_json
 from rlworkers.models.tiny import ensure_tiny_model

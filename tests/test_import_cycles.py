@@ -69,7 +69,7 @@ def test_cycle_finder_by_hand():
 def test_rlworkers_and_flows_have_no_import_cycles():
     graph = import_graph()
     assert "rlworkers.data" in graph["rlworkers.workers"]  # the graph is read: the rollout uses a data helper
-    assert "flows.lineage" in graph["flows.runtime"]  # ... and `from flows import lineage` counts
+    assert "flows.run_checkpoints" in graph["flows.runtime"]  # ... and `from flows import run_checkpoints` counts
     unexpected = [group for group in cycles(graph) if group not in KNOWN_CYCLES]
     assert not unexpected, f"import cycles between {unexpected}: move the shared helper into the lower module"
 
@@ -78,3 +78,33 @@ def test_rlworkers_never_imports_flows():
     """rlworkers (the engine: workers, single controller, algorithms) knows nothing of Prefect flows."""
     upward = {unit: sorted(t for t in targets if t.startswith("flows")) for unit, targets in import_graph().items()}
     assert not {unit: t for unit, t in upward.items() if unit.startswith("rlworkers") and t}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_loops_collaborators_take_a_typed_run_state_and_never_reach_the_loop():
+    """flows/runtime.py's ``Run`` (the loop) calls checkpoints, recovery, evaluation, publishing and promotion with
+    its state: each declares that parameter as ``RunState`` (flows/run_state.py, which imports none of them), so no
+    import cycle hides behind an untyped ``run``."""
+    untyped = [
+        f"{file.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for file in (ROOT / "flows").rglob("*.py")
+        for node in ast.walk(ast.parse(file.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        if arg.arg == "run" and arg.annotation is None
+    ]
+    assert not untyped, f"untyped `run` parameters: {untyped}"
+    graph = import_graph()
+    collaborators = ["flows.run_checkpoints", "flows.recovery", "flows.run_evaluation", "flows.run_publish"]
+    for unit in [*collaborators, "flows.promotion", "flows.run_state"]:
+        assert "flows.runtime" not in reachable(graph, unit), unit
+    assert set(collaborators) <= graph["flows.runtime"]  # the graph is read: the loop does call them
