@@ -43,7 +43,7 @@ def recover(run: RunState, step: int, error: Exception) -> TrainState:
     if isinstance(error, CheckpointSaveError):
         raise error  # the store failed, not a worker (a rank may still be stuck in its write): no restart
     started = time.perf_counter()
-    run.ahead.clear()  # submitted after the failed stage: they never run (NotReady), and steps rewind
+    run.drop_submitted_ahead()  # submitted after the failed stage: they never run (NotReady)
     lost = {name: ranks for name, group in run.distinct_groups().items() if (ranks := group.unresponsive_ranks())}
     failures = failed_stages(step, since=run.step_started_at) or [f"{type(error).__name__}: {error}"]
     if not lost:
@@ -59,11 +59,10 @@ def recover(run: RunState, step: int, error: Exception) -> TrainState:
             f"trainer.stage_timeout_s (now {trainer.stage_timeout_s:.0f}) or trainer.stage_timeout_s_per_sample "
             f"(now {trainer.stage_timeout_s_per_sample})"
         ) from error
-    run.last_cut = (step, cut[0]) if cut else None
     where = ", ".join(f"{name} rank(s) {ranks}" for name, ranks in lost.items())
-    run.faults.append(f"step {step}: {where} lost; " + "; ".join(failures))
+    faults = run.note_fault(step, f"step {step}: {where} lost; " + "; ".join(failures), cut)
     budget = run.config.trainer.max_restarts
-    if len(run.faults) > budget:
+    if faults > budget:
         listed = "\n".join(f"  {i}. {fault}" for i, fault in enumerate(run.faults, 1))
         raise FaultBudgetExhausted(
             f"run {run.config.trainer.run_name!r} hit {len(run.faults)} worker "

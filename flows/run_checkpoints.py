@@ -49,7 +49,7 @@ def save(run: RunState, step: int) -> float:
         checkpoint_root(run.root), step, roles, state, run.config.trainer.keep_last_checkpoints, run.last_checkpoint
     ).result()
     seconds = time.perf_counter() - started
-    run.last_checkpoint = path
+    run.checkpointed(path)
     publish_checkpoint_artifact(run.config.trainer.run_name, step, path, run.last_metrics)
     run.tracker.log_dict({"path": path, **manifest}, f"checkpoints/step_{step:06d}/manifest.json")
     run.tracker.log_metrics({"timing_s/save_checkpoint": seconds}, step, wait=False)
@@ -62,5 +62,5 @@ def restore(run: RunState, path: str, trainer_state: dict) -> TrainState:
     for role in STATEFUL_ROLES:
         if role in run.groups:
             run.groups[role].load_checkpoint(f"{path}/{role}")
-    run.last_checkpoint = path
+    run.checkpointed(path)
     return TrainState.from_checkpoint(trainer_state)

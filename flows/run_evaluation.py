@@ -72,7 +72,7 @@ def validate(run: RunState, step: int) -> dict[str, float]:
     if samples:
         run.tracker.log_table(samples, f"samples/step_{step:06d}.json")
     run.tracker.log_metrics(metrics, step)
-    run.val_scores[step] = metrics["val/score/mean"]
+    run.record_val_score(step, metrics["val/score/mean"])
     implicit = run.eval_sets[0] if run.eval_sets and run.eval_sets[0].scorer is None else None
     if implicit and step in (0, run.config.trainer.total_steps):  # validation is the evaluation
         record_results(run, implicit, evaluation.label_of(step), step, out, responses)

@@ -68,15 +68,15 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     lock.enter_context(one_run_at_a_time(config.trainer.lineage, config.trainer.run_name, runs_root(config)))
     clock.mark("checks")
     try:
-        run = _start_holding_the_lock(config, algorithm, roles, clock)
+        return _start_holding_the_lock(config, algorithm, roles, clock, lock)
     except BaseException:
         lock.close()
         raise
-    run.lock = lock
-    return run
 
 
-def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, ...], clock: StartupClock) -> Run:
+def _start_holding_the_lock(
+    config: RLConfig, algorithm: str, roles: tuple[str, ...], clock: StartupClock, lock: contextlib.ExitStack
+) -> Run:
     reap_orphaned_ray_agents()
     flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
     clock.mark("ray")
@@ -152,6 +152,7 @@ def _start_holding_the_lock(config: RLConfig, algorithm: str, roles: tuple[str, 
     run = Run(
         config=config,
         algorithm=algorithm,
+        lock=lock,
         root=root,
         tokenizer=tokenizer,
         loader=loader,
@@ -188,19 +189,19 @@ def _start_workers(run: Run, roles: tuple[str, ...], resume, state: dict | None,
         get_run_logger().info(
             "lineage %s: %s", config.trainer.lineage, lineage.continue_data_cursor(loader, record.data_cursor)
         )
-    run.initial_state = run.train_state(0)
+    run.keep_initial_state()
     if "actor" in roles:  # a target module the model lacks, or a start adapter with other settings: fail here
         lora.check_fits(resolve_model_path(record.model_dir), config.actor.lora)
-    run.groups = build_groups(config, roles, record.model_dir)
+    run.use_workers(build_groups(config, roles, record.model_dir))
     if "actor" in run.groups:
         record_precision(run.groups["actor"], run.tracker)
     clock.mark("worker_groups")
     if resume:
         run.rewind(restore(run, resume[0], state))
         clock.mark("restore")
-    run.progress = ProgressArtifact(name, config.trainer.total_steps)
-    if sys.stderr.isatty():
-        run.terminal = TerminalProgress(f"{run.algorithm} {name}", config.trainer.total_steps, run.start_step - 1)
+    total, done = config.trainer.total_steps, run.start_step - 1
+    terminal = TerminalProgress(f"{run.algorithm} {name}", total, done) if sys.stderr.isatty() else None
+    run.show_progress(ProgressArtifact(name, total), terminal)
 
 
 def record_precision(actor, tracker: Tracker) -> None:

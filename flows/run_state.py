@@ -93,6 +93,37 @@ class RunState:
         """The adaptive KL controller's state after a step's advantages (the next step's starts from it)."""
         self.kl_ctrl_state = state
 
+    def keep_initial_state(self) -> None:
+        """The state before step 1, where a fault before the first checkpoint rewinds to (``initial_state``)."""
+        self.initial_state = self.train_state(0)
+
+    def checkpointed(self, path: str) -> None:
+        """``path`` is the newest checkpoint this run committed or restored (the next save keeps it until done)."""
+        self.last_checkpoint = path
+
+    def record_val_score(self, step: int, score: float) -> None:
+        """``val/score/mean`` of the validation at ``step`` (publishing reports the last one's)."""
+        self.val_scores[step] = score
+
+    def note_fault(self, step: int, description: str, cut: tuple[str, float] | None) -> int:
+        """Count a worker fault at ``step`` (``faults``) and the stage its time limit cut, if any (``last_cut``);
+        returns how many faults the run has had."""
+        self.last_cut = (step, cut[0]) if cut else None
+        self.faults.append(description)
+        return len(self.faults)
+
+    def drop_submitted_ahead(self) -> None:
+        """Forget the stages submitted ahead (``ahead``): after a failed step they never run, and steps rewind."""
+        self.ahead.clear()
+
+    def use_workers(self, groups: dict) -> None:
+        """The run's worker groups, by role (``flows.groups.build_groups``)."""
+        self.groups = groups
+
+    def show_progress(self, progress: ProgressArtifact, terminal: TerminalProgress | None) -> None:
+        """Where the run's progress shows: a Prefect artifact, and a progress bar when it runs in a terminal."""
+        self.progress, self.terminal = progress, terminal
+
     # ------------------------------------------------------------------------------------------ batches
     def next_rows(self) -> list[dict]:
         epoch = self.loader.epoch

@@ -341,11 +341,14 @@ def test_a_stage_cut_twice_in_a_row_at_the_same_step_fails_the_run_naming_the_se
     from types import SimpleNamespace
 
     from flows.recovery import recover
+    from flows.run_state import RunState
 
     trainer = SimpleNamespace(stage_timeout_s=650.0, stage_timeout_s_per_sample=0.5, max_restarts=0, run_name="r")
     group = SimpleNamespace(unresponsive_ranks=lambda: [0])
-    run = SimpleNamespace(ahead=[], distinct_groups=lambda: {"actor": group}, step_started_at=None, faults=[],
+    run = SimpleNamespace(distinct_groups=lambda: {"actor": group}, step_started_at=None, faults=[],
                           config=SimpleNamespace(trainer=trainer), last_cut=None)  # fmt: skip
+    run.drop_submitted_ahead = lambda: None
+    run.note_fault = lambda *fault: RunState.note_fault(run, *fault)  # the run's own bookkeeping of its faults
     cut = StageTimeout([0], "generate_sequences", 650.0, [PROCESS], windows=1)
     with pytest.raises(FaultBudgetExhausted):  # a fault (max_restarts=0: no restart here)
         recover(run, 3, cut)

@@ -108,3 +108,33 @@ def test_the_loops_collaborators_take_a_typed_run_state_and_never_reach_the_loop
     for unit in [*collaborators, "flows.promotion", "flows.run_state"]:
         assert "flows.runtime" not in reachable(graph, unit), unit
     assert set(collaborators) <= graph["flows.runtime"]  # the graph is read: the loop does call them
+
+
+def test_a_runs_state_is_changed_only_by_its_owner():
+    """Outside flows/run_state.py and flows/runtime.py nothing assigns a field of a run (``run.x = ...``,
+    ``run.x[k] = ...``) or changes one in place (``run.faults.append(...)``): the collaborators ask the run, through
+    its methods (``rewind``, ``note_fault``, ``checkpointed`` ...)."""
+    changes = []
+    mutators = {"append", "extend", "clear", "pop", "update", "insert", "remove", "setdefault"}
+    reporters = {"progress", "terminal", "tracker"}  # objects the run holds, with methods of their own (update: a bar)
+    for file in (ROOT / "flows").rglob("*.py"):
+        if file.name in ("run_state.py", "runtime.py"):
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators:
+                targets = [node.func.value]
+                if isinstance(node.func.value, ast.Attribute) and node.func.value.attr in reporters:
+                    targets = []
+            for target in targets:
+                while isinstance(target, ast.Subscript):
+                    target = target.value
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "run"
+                ):
+                    changes.append(f"{file.relative_to(ROOT)}:{node.lineno} run.{target.attr}")
+    assert not changes, f"a run's state changed outside its owner: {changes}"
