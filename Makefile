@@ -69,11 +69,12 @@ demo-agent: $(STAMP)
 demo-agent-env: $(STAMP)
 	$(VENV)/bin/rlflow demo --environment
 
-# two processes, each module (or group of modules) whole in one of them, the longest first (tests/conftest.py)
+# two processes, each module (or group of modules) whole in one of them, the longest first (tests/conftest.py); a test
+# process that dies is reported and not replaced: a replacement waited for work that never came, and the run hung
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope --no-loadscope-reorder
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope --no-loadscope-reorder --max-worker-restart=0
 
 # the fast loop while changing a module (~3 min): the tests not marked slow (no servers, flows, training runs or installs)
 test-quick: $(STAMP)
