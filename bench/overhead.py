@@ -21,6 +21,7 @@ Needs the servers (`rlflow server up`, or PREFECT_API_URL / MLFLOW_TRACKING_URI 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -213,11 +214,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--config", default="demo")
     args = parser.parse_args()
+    from startup import cpu_description  # bench/startup.py, beside this file
+
+    from flows import kept
     from flows.groups import ray_settings
     from flows.preflight import use_running_services
 
+    print(f"CPU: {cpu_description()}")
     use_running_services()
     address, init_kwargs = ray_settings(None, None)
+    if address and address == os.environ.get(kept.LOCAL_RAY_ENV):
+        kept.use_token_authentication()  # the local Ray of `rlflow server up` asks for its token, as a run's join does
     ray.init(address, **init_kwargs)
     if args.tasks:
         per_task_cost(args.tasks, args.repeats)

@@ -6,6 +6,7 @@ it fails here rather than for the next person who measures (bench/overhead.py on
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,11 +19,15 @@ pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test
 
 
 def test_overhead_bench_runs_both_measurements_and_prints_their_ratios(services):
+    """From a shell where `rlflow server up` runs (no Ray setting of the test process's own: the local Ray asks for
+    its token, which the bench sends as a run does)."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_AUTH_MODE"}
     done = subprocess.run(
         [sys.executable, "bench/overhead.py", "--tasks", "3", "--repeats", "1", "--steps", "2", "--rounds", "1"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900,
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "CPU: " in done.stdout, done.stdout
     assert "ratio stock / warm per-task cost:" in done.stdout, done.stdout
     assert "controller share of the step (1 - plain / runner): WarmRayTaskRunner" in done.stdout, done.stdout
 
