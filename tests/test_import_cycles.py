@@ -39,19 +39,20 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The units ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     """Groups of units that all reach each other (strongly connected, more than one unit)."""
-
-    def reachable(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-
-    reach = {unit: reachable(unit) for unit in graph}
+    reach = {unit: reachable(graph, unit) for unit in graph}
     groups = []
     for unit in sorted(graph):
         group = {unit} | {other for other in reach[unit] if unit in reach.get(other, ())}
@@ -78,16 +79,6 @@ def test_rlworkers_never_imports_flows():
     """rlworkers (the engine: workers, single controller, algorithms) knows nothing of Prefect flows."""
     upward = {unit: sorted(t for t in targets if t.startswith("flows")) for unit, targets in import_graph().items()}
     assert not {unit: t for unit, t in upward.items() if unit.startswith("rlworkers") and t}
-
-
-def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for nxt in graph.get(todo.pop(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
 
 
 def test_the_loops_collaborators_take_a_typed_run_state_and_never_reach_the_loop():
