@@ -65,12 +65,12 @@ def recover(run: RunState, step: int, error: Exception) -> TrainState:
     if faults > budget:
         listed = "\n".join(f"  {i}. {fault}" for i, fault in enumerate(run.faults, 1))
         raise FaultBudgetExhausted(
-            f"run {run.config.trainer.run_name!r} hit {len(run.faults)} worker "
+            f"run {run.config.trainer.run_name!r} hit {faults} worker "
             f"faults, more than trainer.max_restarts={budget}:\n{listed}",
             run.faults,
         ) from error
     log = get_run_logger()
-    log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], len(run.faults), budget)
+    log.warning("step %d: %s lost (%s); restart %d of %d", step, where, failures[0], faults, budget)
     checkpoint = find_latest_checkpoint(checkpoint_root(run.root), required=["trainer_state.json"])
     rebuild = set(lost) if checkpoint else set(lost) | (set(STATEFUL_ROLES) & set(run.distinct_groups()))
     try:
@@ -83,9 +83,9 @@ def recover(run: RunState, step: int, error: Exception) -> TrainState:
     except Exception as during_recovery:  # another worker lost while recovering: one more fault
         return recover(run, step, during_recovery)
     seconds = time.perf_counter() - started
-    run.tracker.log_metrics({"fault/restarts": len(run.faults), "fault/recovery_s": seconds}, step)
+    run.tracker.log_metrics({"fault/restarts": faults, "fault/recovery_s": seconds}, step)
     if run.progress:
-        run.progress.update(state.step, restarts=len(run.faults))
+        run.progress.update(state.step, restarts=faults)
     log.warning(
         "recovered in %.1f s: rebuilt %s, resuming at step %d from %s",
         seconds,
