@@ -2,11 +2,13 @@
 where that time goes (the run's own ``timing_s/startup/*`` metrics, flows/startup.py; its steps; ``timing_s/publish``;
 the rest is the shutdown: workers released, the MLflow run closed, Ray stopped, the process's exit).
 
-Each job runs ``--repeat`` times in a Ray of its own (the baseline: no local Ray given), then, after one run that
-starts the processes, ``--repeat`` times in the local Ray of `rlflow server up` (flows/kept.py: each run takes the
-worker processes and task host the run before kept); the median of each phase is printed with its share of the
+Each job runs ``--repeat`` times in a Ray of its own (the baseline: no local Ray given, the command in a process of
+its own), then, after one run that starts the processes, ``--repeat`` times in the local Ray of `rlflow server up`
+(flows/kept.py: each run takes the worker processes and task host the run before kept) with the command in its own
+process (``RLFLOW_CONTROLLER=``), and ``--repeat`` times so in a child of the controller fork server of `rlflow
+server up` (flows/forkserver.py: everything imported); the median of each phase is printed with its share of the
 median wall time, with the CPU seconds the machine was busy (run it on an otherwise idle machine), and the ratios
-local / own. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git
+to the baseline. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git
 worktree` of an older commit) with this environment, for a before/after in one sitting: a checkout without the
 startup metrics shows its wall time only. The CPU's capability is printed beside the figures (they depend on it).
 
@@ -59,7 +61,8 @@ def cpu_description() -> str:
 
 def run_once(job: str, runs_dir: Path, source: Path, env: dict) -> dict[str, float]:
     name = f"startup-{job}-{uuid.uuid4().hex[:6]}"
-    command = [sys.executable, "-m", "flows.cli", "train", *JOBS[job]]
+    rlflow = ["-m", "flows"] if (source / "flows" / "__main__.py").exists() else ["-m", "flows.cli"]  # (older code)
+    command = [sys.executable, *rlflow, "train", *JOBS[job]]
     command += [f"trainer.runs_dir={runs_dir}", f"trainer.run_name={name}"]
     cpu, start = machine_cpu_s(), time.perf_counter()
     done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
@@ -162,9 +165,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from flows.preflight import apply_service_env
-    from flows.services import LOCAL_RAY, ServiceConfig, start_services, stop_services
+    from flows.services import CONTROLLER, LOCAL_RAY, ServiceConfig, http_ok, start_services, stop_services
 
     print(f"CPU: {cpu_description()}")
+    source = args.source.resolve()
+    # the servers (the controller fork server among them) start from the commands' environment
+    os.environ["PYTHONPATH"] = str(source)
     with tempfile.TemporaryDirectory(prefix="rlflow-startup-") as tmp:
         config = ServiceConfig(
             state_dir=Path(tmp) / "home", prefect_port=free_port(), mlflow_port=free_port(), ray_port=free_port()
@@ -184,20 +190,27 @@ def main() -> None:
                     results = [(kept, run_in_process(job, Path(tmp) / "runs", not kept)) for kept in flags]
                     report_in_process(job, results)
                 return
-            source, runs = args.source.resolve(), Path(tmp) / "runs"
-            env = {**os.environ, "PYTHONPATH": str(source)}  # apply_service_env set the servers' URLs
-            own_ray = {k: v for k, v in env.items() if k != LOCAL_RAY}
+            runs = Path(tmp) / "runs"
+            forked = dict(os.environ)  # apply_service_env set the servers' URLs, the local Ray's, the fork server's
+            own_process = {**forked, CONTROLLER: ""}
+            own_ray = {k: v for k, v in own_process.items() if k != LOCAL_RAY}
+            deadline = time.monotonic() + 600
+            while not http_ok(f"unix://{urls[CONTROLLER]}") and time.monotonic() < deadline:
+                time.sleep(1)  # the fork server imports everything first
             for job in args.jobs.split(","):
                 own = [run_once(job, runs, source, own_ray) for _ in range(args.repeat)]
                 report(job, own, source, "a Ray of its own (none given)")
-                run_once(job, runs, source, env)  # starts the processes the next runs take: left out
-                local = [run_once(job, runs, source, env) for _ in range(args.repeat)]
+                run_once(job, runs, source, own_process)  # starts the processes the next runs take: left out
+                local = [run_once(job, runs, source, own_process) for _ in range(args.repeat)]
                 report(job, local, source, "the local Ray of `rlflow server up`, in the processes the last run kept")
-                ratios = ", ".join(
-                    f"{key} {statistics.median(r[key] for r in local) / statistics.median(r[key] for r in own):.2f}"
-                    for key in ("wall", "cpu")
-                )
-                print(f"  local Ray / own Ray: {ratios}")
+                in_child = [run_once(job, runs, source, forked) for _ in range(args.repeat)]
+                report(job, in_child, source, "the same, the command forked by the controller fork server")
+                baseline = {key: statistics.median(r[key] for r in own) for key in ("wall", "cpu")}
+                for label, results in (("local Ray", local), ("and forked", in_child)):
+                    ratios = ", ".join(
+                        f"{key} {statistics.median(r[key] for r in results) / baseline[key]:.2f}" for key in baseline
+                    )
+                    print(f"  {label} / own Ray: {ratios}")
         finally:
             stop_services(config)
 

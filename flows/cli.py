@@ -25,6 +25,7 @@ from rich.table import Table
 from flows.launch import ALGORITHMS, get_flow, run_training
 from flows.preflight import require_mlflow_tracking, require_prefect_api, server_failure_message, use_running_services
 from flows.services import (
+    CONTROLLER,
     LOCAL_HOSTS,
     LOCAL_RAY,
     MLFLOW_TRACKING_URI,
@@ -355,9 +356,10 @@ def up(
         "line); clients export the same RLFLOW_SERVER_AUTH and source env.sh",
     ),
 ) -> None:
-    """Start both servers and a local Ray in the background (or reuse running ones) and print their URLs. Runs of
-    this machine join that Ray when they are given no other, and build their workers in the processes the run
-    before kept there (flows/kept.py); `rlflow server down` ends them."""
+    """Start both servers, a local Ray and the controller fork server in the background (or reuse running ones) and
+    print their URLs. Runs of this machine join that Ray when they are given no other, and build their workers in
+    the processes the run before kept there (flows/kept.py); `rlflow` commands start in children of the fork server,
+    with everything imported (flows/forkserver.py); `rlflow server down` ends them."""
     config = _cli_config(
         state_dir,
         host=host,
@@ -384,6 +386,7 @@ def up(
         "MLflow", str(urls["mlflow_pid"]), urls["mlflow_ui"], f"{MLFLOW_TRACKING_URI}={urls[MLFLOW_TRACKING_URI]}"
     )
     table.add_row("Ray", str(urls["ray_pid"]), "-", f"{LOCAL_RAY}={urls[LOCAL_RAY]}")
+    table.add_row("Controller", str(urls["controller_pid"]), "-", f"{CONTROLLER}={urls[CONTROLLER]}")
     console.print(table)
     console.print(f"Point this shell at them:  [bold]source {urls['env_file']}[/bold]")
     if config.auth:
@@ -410,15 +413,18 @@ def down(state_dir: Path | None = _StateDir) -> None:
 
 @server_app.command()
 def status(state_dir: Path | None = _StateDir) -> None:
-    """Show url, pid and health of both servers and the local Ray; exit code 1 unless all are healthy."""
+    """Show url, pid and health of both servers, the local Ray and the controller fork server; exit code 1 unless all
+    are healthy (the fork server may still be starting: commands run in their own process until it answers)."""
     states = service_status(_cli_config(state_dir))
     table = Table()
     for column in ("service", "url", "pid", "alive", "healthy"):
         table.add_column(column, overflow="fold")
     for name, state in states.items():
-        table.add_row(name, state["url"], str(state["pid"] or "-"), _yes_no(state["alive"]), _yes_no(state["healthy"]))
+        starting = name == "controller" and state["alive"] and not state["healthy"]
+        healthy = "[yellow]starting[/yellow]" if starting else _yes_no(state["healthy"])
+        table.add_row(name, state["url"], str(state["pid"] or "-"), _yes_no(state["alive"]), healthy)
     console.print(table)
-    unhealthy = [state for state in states.values() if not state["healthy"]]
+    unhealthy = [s for name, s in states.items() if not s["healthy"] and not (name == "controller" and s["alive"])]
     for state in unhealthy:
         console.print(f"log: {state['log']}")
     if unhealthy:

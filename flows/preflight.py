@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.services import (
+    CONTROLLER,
     LOCAL_RAY,
     MLFLOW_TRACKING_URI,
     PREFECT_API_URL,
@@ -40,6 +41,8 @@ def apply_service_env(urls: Mapping[str, Any]) -> None:
     os.environ[MLFLOW_TRACKING_URI] = str(urls[MLFLOW_TRACKING_URI])
     if urls.get(LOCAL_RAY):  # runs join the local Ray (flows/groups.py ray_settings)
         os.environ[LOCAL_RAY] = str(urls[LOCAL_RAY])
+    if urls.get(CONTROLLER):  # `rlflow` commands run in its forked children (flows/forkserver.py)
+        os.environ[CONTROLLER] = str(urls[CONTROLLER])
     if urls.get("auth") and os.environ.get(SERVER_AUTH):  # what env.sh derives from it, unless set otherwise
         user, _, password = os.environ[SERVER_AUTH].partition(":")
         os.environ.setdefault("PREFECT_API_AUTH_STRING", os.environ[SERVER_AUTH])

@@ -1,6 +1,7 @@
-"""Local services: a Prefect API server and an MLflow tracking server for this project.
+"""Local services: a Prefect API server and an MLflow tracking server for this project, a local Ray that runs join
+(flows/kept.py) and the controller fork server that `rlflow` commands start from (flows/forkserver.py).
 
-``rlflow server up`` starts both as detached background processes that keep running after the command returns,
+``rlflow server up`` starts them as detached background processes that keep running after the command returns,
 with SQLite backends under a project-local state folder (``.rlflow/`` in the current directory, or ``$RLFLOW_HOME``),
 bound to 127.0.0.1 unless ``--host`` says otherwise. It waits until both answer their health endpoints, records
 their pids in ``<state_dir>/services.json`` and writes ``<state_dir>/env.sh``::
@@ -15,7 +16,8 @@ Prefect API reachable, is the MLflow tracking URI usable) are in ``flows/preflig
 
 Layout of the state folder::
 
-    services.json  env.sh  logs/{prefect,mlflow}.log
+    services.json  env.sh  logs/{prefect,mlflow,ray,controller}.log
+    controller.sock  the controller fork server's socket (flows/forkserver.py)
     prefect/       PREFECT_HOME of the server: prefect.db (SQLite)
     mlflow/        mlflow.db (SQLite backend store), artifacts/ (served over HTTP by the tracking server),
                    basic_auth.ini + basic_auth.db (MLflow's users, with --auth)
@@ -54,13 +56,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from flows import forkserver
+from flows.forkserver import CONTROLLER_ENV as CONTROLLER  # the controller fork server's socket, in env.sh
 from flows.kept import LOCAL_RAY_ENV as LOCAL_RAY  # the local Ray's address, in env.sh
 
 logger = logging.getLogger(__name__)
 
 PREFECT_API_URL = "PREFECT_API_URL"
 MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
-SERVICES = ("prefect", "mlflow", "ray")
+SERVICES = ("prefect", "mlflow", "ray", "controller")
 _SERVICES_FILE = "services.json"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
@@ -154,6 +158,7 @@ class _Spec:
     command: list[str]
     env: dict[str, str]
     log: Path
+    waited_for: bool = True  # `up` waits until it answers (the controller answers once it imported everything)
 
 
 def _url_host(host: str) -> str:
@@ -338,6 +343,16 @@ def _ray_spec(config: ServiceConfig) -> _Spec:
                  config.state_dir / "logs" / "ray.log")  # fmt: skip
 
 
+def _controller_spec(config: ServiceConfig) -> _Spec:
+    """The controller fork server (flows/forkserver.py): `rlflow` commands run in its forked children, with torch,
+    transformers, Prefect, MLflow and Ray imported once. It listens once it imported them, seconds after the servers
+    answer: `up` does not wait for it, and until then commands run in their own processes, as without it."""
+    path = config.state_dir / forkserver.SOCKET_NAME
+    command = [sys.executable, str(Path(forkserver.__file__).resolve()), str(path)]
+    return _Spec("controller", 0, "", f"unix://{path}", f"unix://{path}", command, {},
+                 config.state_dir / "logs" / "controller.log", waited_for=False)  # fmt: skip
+
+
 def local_ray_command(port: int, num_cpus: int, temp_dir: str) -> list[str]:
     """`ray start --head --block` of a Ray of one node on ``port`` (also the test processes' own Rays,
     tests/conftest.py): no dashboard, autoscaler or log monitor (metrics: the caller's environment). Its temporary
@@ -366,7 +381,12 @@ def free_port() -> int:
 
 
 def _specs(config: ServiceConfig) -> dict[str, _Spec]:
-    return {"prefect": _prefect_spec(config), "mlflow": _mlflow_spec(config), "ray": _ray_spec(config)}
+    return {
+        "prefect": _prefect_spec(config),
+        "mlflow": _mlflow_spec(config),
+        "ray": _ray_spec(config),
+        "controller": _controller_spec(config),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -389,8 +409,16 @@ def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | Non
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when GET ``url`` answers 2xx; for a ``tcp://host:port`` URL (the local Ray's), when it accepts
-    connections."""
+    """True when GET ``url`` answers 2xx; for a ``tcp://host:port`` URL (the local Ray's) or a ``unix://path`` one
+    (the controller fork server's socket), when it accepts connections."""
+    if url.startswith("unix://"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(url[len("unix://") :])
+                return True
+            except OSError:
+                return False
     if url.startswith("tcp://"):
         host, _, port = url[len("tcp://") :].rpartition(":")
         try:
@@ -449,8 +477,12 @@ def _is_ours(pid: int, name: str) -> bool:
     except OSError:
         return True  # no /proc: trust the live process group
     stat = _proc_stat(pid)
-    marker = (b"ray.scripts.scripts", b"start") if name == "ray" else (name.encode(), b"server")
-    return all(word in cmdline for word in marker) and stat is not None and stat[1] == pid
+    if name == "controller":
+        ours = any(word.endswith(b"flows/forkserver.py") for word in cmdline)
+    else:
+        marker = (b"ray.scripts.scripts", b"start") if name == "ray" else (name.encode(), b"server")
+        ours = all(word in cmdline for word in marker)
+    return ours and stat is not None and stat[1] == pid
 
 
 def _stop_group(pid: int, grace_s: float) -> bool:
@@ -517,7 +549,7 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 def _wait_healthy(specs: list[_Spec], procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
-    pending = {spec.name: spec for spec in specs}
+    pending = {spec.name: spec for spec in specs if spec.waited_for}
     deadline = time.monotonic() + timeout_s
     while pending:
         for name, spec in list(pending.items()):
@@ -582,6 +614,8 @@ def _service_urls(config: ServiceConfig, record: Mapping[str, Any]) -> dict[str,
         "mlflow_pid": mlflow["pid"],
         LOCAL_RAY: record["ray"]["url"] if "ray" in record else None,
         "ray_pid": record["ray"]["pid"] if "ray" in record else None,
+        CONTROLLER: record["controller"]["url"].removeprefix("unix://") if "controller" in record else None,
+        "controller_pid": record["controller"]["pid"] if "controller" in record else None,
         "env_file": str(config.env_file),
         "auth": bool(prefect.get("auth") or mlflow.get("auth")),
     }
@@ -595,6 +629,8 @@ def _write_env_file(urls: Mapping[str, Any]) -> None:
     ]
     if urls.get(LOCAL_RAY):  # runs join it (and keep their worker processes there from run to run)
         lines.append(f"export {LOCAL_RAY}={urls[LOCAL_RAY]}")
+    if urls.get(CONTROLLER):  # `rlflow` commands run in its forked children
+        lines.append(f"export {CONTROLLER}={urls[CONTROLLER]}")
     if urls["auth"]:  # the credentials come from the shell, never from this file
         lines += [
             "# The servers ask for a user and password: export RLFLOW_SERVER_AUTH=user:password before sourcing",
@@ -611,8 +647,9 @@ def _write_env_file(urls: Mapping[str, Any]) -> None:
 def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
     """Start (or reuse) the Prefect and MLflow servers and wait until both are healthy.
 
-    Returns ``{"PREFECT_API_URL", "MLFLOW_TRACKING_URI", "prefect_ui", "mlflow_ui", "prefect_pid", "mlflow_pid",
-    "env_file"}``; the two upper-case keys are also written to ``<state_dir>/env.sh``.
+    Returns ``{"PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY", "RLFLOW_CONTROLLER", "prefect_ui",
+    "mlflow_ui", "prefect_pid", "mlflow_pid", "ray_pid", "controller_pid", "env_file", "auth"}``; the upper-case keys
+    are also written to ``<state_dir>/env.sh``.
 
     Raises:
         ServiceError: a port is taken by another process, a server exited or did not become healthy within
@@ -633,7 +670,7 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
                         f"({'with' if old.get('auth') else 'without'} authentication), not {spec.url} "
                         f"({'with' if config.auth else 'without'}). Run `rlflow server down` first to change it."
                     )
-                if http_ok(old["health_url"]):
+                if http_ok(old["health_url"]) or not spec.waited_for:  # (the controller may still be importing)
                     logger.info("Reusing the %s server at %s (pid %s)", name, old["url"], old["pid"])
                     continue
                 logger.warning(
@@ -641,7 +678,7 @@ def start_services(config: ServiceConfig | None = None) -> dict[str, Any]:
                 )
                 _stop_group(old["pid"], config.stop_grace_s)
             to_start.append(spec)
-        for spec in to_start:  # check every port before starting anything
+        for spec in (spec for spec in to_start if spec.port):  # check every port before starting anything
             _check_port_free("127.0.0.1" if spec.name == "ray" else config.host, spec)
         if config.postgres and to_start:
             databases = ("prefect", "mlflow", *(["mlflow_auth"] if config.auth else []))

@@ -39,10 +39,18 @@ class StartupClock:
 
 _previous_run_ended: float | None = None  # a process that runs several flows (tests, notebooks)
 _called: StartupClock | None = None
+_command_started: float | None = None  # a command forked by the controller fork server: its client's start
+
+
+def process_started(when: float) -> None:
+    """This run's command started at ``when``, not when this process did (flows/forkserver.py: the process was
+    forked from one that had imported everything; its ``imports`` phase is the client's start and the fork)."""
+    global _command_started
+    _command_started = when
 
 
 def _since() -> float:
-    return _previous_run_ended or psutil.Process().create_time()
+    return _previous_run_ended or _command_started or psutil.Process().create_time()
 
 
 def mark_flow_called() -> None:

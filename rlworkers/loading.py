@@ -67,13 +67,14 @@ def import_module_named(module_name: str) -> ModuleType:
         raise
 
 
-def modules_changed_since_start() -> list[str]:
-    """The files of the modules this process imported that changed on disk after it started (a `git pull`, an edit,
-    a package upgraded): a process kept for another run (flows/kept.py) would run their old code, so it is not
-    reused then."""
+def modules_changed_since_start(since: float | None = None) -> list[str]:
+    """The files of the modules this process imported that changed on disk after it started, or after ``since``
+    (a `git pull`, an edit, a package upgraded): a process kept for another run (flows/kept.py, flows/forkserver.py)
+    would run their old code, so it is not reused then."""
     import psutil
 
-    started = psutil.Process().create_time() + 2.0  # a start time read from /proc may be off by a second
+    # a start time read from /proc may be off by a second
+    started = since if since is not None else psutil.Process().create_time() + 2.0
     changed = []
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)

@@ -167,7 +167,7 @@ def services(tmp_path_factory):
     """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) and the local Ray of `rlflow server up`, for
     the whole session: every `rlflow` process a test starts joins that Ray, as a user's runs do."""
     from flows.preflight import apply_service_env
-    from flows.services import ServiceConfig, start_services, stop_services
+    from flows.services import CONTROLLER, ServiceConfig, start_services, stop_services
 
     config = ServiceConfig(
         state_dir=tmp_path_factory.mktemp("rlflow-home"),
@@ -175,8 +175,15 @@ def services(tmp_path_factory):
         mlflow_port=free_port(),
         ray_port=free_port(),
     )
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY")}
-    urls = start_services(config)
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY", CONTROLLER)}
+    # started from this process's environment as a user's shell has it: the controller fork server takes the
+    # commands of an environment like its own (tests/rlflow_cli.py), and pytest's variable changes with every test
+    current_test = os.environ.pop("PYTEST_CURRENT_TEST", None)
+    try:
+        urls = start_services(config)
+    finally:
+        if current_test is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = current_test
     apply_service_env(urls)
     SESSION_SERVICES.update(urls)
     yield urls

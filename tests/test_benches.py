@@ -94,6 +94,11 @@ def test_cpu_by_process_tells_rlflow_s_processes_apart():
     assert kind("ray::ActorRolloutRefWorker.generate_sequences", "ray::ActorRollo") == "Ray worker actors (rlworkers)"
     assert kind("ray::IDLE", "ray::IDLE") is None  # not yet known: asked again at the next sample
     assert kind("/x/.venv/bin/python -m flows.cli train grpo --config demo", "python") == "rlflow CLI (controller)"
+    assert kind("/x/.venv/bin/python -m flows train grpo --config demo", "python") == "rlflow CLI (controller)"
+    assert kind("rlflow train grpo --config demo", "python") == "rlflow CLI (controller)"  # forked, named so
+    assert kind("/x/.venv/bin/python /x/flows/forkserver.py /x/.rlflow/controller.sock", "python") == (
+        "controller fork server"
+    )
     assert kind("/x/.venv/bin/python -m prefect server start --host 127.0.0.1", "python") == "Prefect server"
     assert kind("/x/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray", "gcs_server") == "Ray's own processes"
 

@@ -116,7 +116,7 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
         return [
             sys.executable,
             "-m",
-            "flows.cli",
+            "flows",
             "train",
             "grpo",
             "--config",
@@ -200,7 +200,7 @@ def test_a_local_run_does_not_join_a_cluster_it_was_not_given(services, tmp_path
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLFLOW_LOCAL_RAY")}  # no Ray given
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", "model.path=tiny",
+            [sys.executable, "-m", "flows", "train", "grpo", "--config", "demo", "model.path=tiny",
              f"trainer.runs_dir={tmp_path}", "trainer.run_name=own-ray", "trainer.total_steps=1",
              "trainer.test_freq=0", "trainer.log_model=false", "trainer.log_samples=0"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

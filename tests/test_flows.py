@@ -658,7 +658,7 @@ def test_invalid_config_fails_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="trainer.nonexistent"):
         load_config("demo", ["trainer.nonexistent=1"])
     result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "grpo", "--config", "demo", "rollout.temperature=0"],
+        [sys.executable, "-m", "flows", "train", "grpo", "--config", "demo", "rollout.temperature=0"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -691,7 +691,7 @@ def test_runs_command_lists_runs_with_links(services):
         "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"],
     }
     result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "runs"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+        [sys.executable, "-m", "flows", "runs"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
     )
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if name in line)

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from rlflow_cli import local_ray_workers, rlflow, rlflow_in_background
+from rlflow_cli import local_ray_workers, rlflow, rlflow_in_background, wait_for_controller
 from safetensors.torch import load_file
 
 import rlworkers.workers.common
@@ -49,7 +49,10 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
     assert len(edited) == 3 and not set(edited) & set(kept), (edited, kept)
     kept = edited
 
-    # a run SIGKILLed (with its process group) while it trains in the kept processes: the registry ends them
+    # a run SIGKILLed (with its process group) while it trains in the kept processes: the registry ends them. Its
+    # controller is a child of the session's controller fork server (restarted by the edit above: waited for), not
+    # the command's process; it dies with the command
+    wait_for_controller(services)
     killed = rlflow_in_background("train", *common, "trainer.run_name=killed", "trainer.total_steps=400")
     checkpoint = tmp_path / "killed" / "run.json"
     deadline = time.monotonic() + 300
@@ -57,8 +60,15 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
         time.sleep(0.5)
     time.sleep(3)  # training
     assert set(local_ray_workers(services["ray_pid"])) == set(kept)  # (named by the method each runs now)
+    controller = [
+        process
+        for process in psutil.process_iter(["cmdline"])
+        if process.pid != killed.pid and "trainer.run_name=killed" in " ".join(process.info["cmdline"] or [])
+    ]
+    assert len(controller) == 1 and controller[0].ppid() != killed.pid, controller
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(30)
+    assert not psutil.wait_procs(controller, timeout=30)[1]
     gone = psutil.wait_procs([psutil.Process(pid) for pid in kept if psutil.pid_exists(pid)], timeout=60)[1]
     assert not gone, [p.pid for p in gone]
     assert local_ray_workers(services["ray_pid"]) == {}

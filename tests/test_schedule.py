@@ -51,7 +51,7 @@ class Worker:
     def start(self) -> None:
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "worker"],
+                [sys.executable, "-m", "flows", "worker"],
                 env=self.env,
                 cwd=ROOT,
                 stdout=log,
@@ -84,7 +84,7 @@ def deployment_worker(servers: dict, home: Path):
         "PREFECT_WORKER_QUERY_SECONDS": "2",  # an operator's setting (default 10 s): runs start sooner after a trigger
     }
     deployed = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "flows", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     assert "rlflow: restart crashed runs" in deployed.stdout

@@ -51,7 +51,7 @@ def train(guarded, tmp_path: Path, extra_env: dict[str, str], source_env_file: b
     env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARIABLES}
     env.update({"COLUMNS": "300", **extra_env})
     command = (
-        f"{sys.executable} -m flows.cli train grpo --config demo model.path=tiny trainer.runs_dir={tmp_path} "
+        f"{sys.executable} -m flows train grpo --config demo model.path=tiny trainer.runs_dir={tmp_path} "
         "trainer.run_name=guarded trainer.total_steps=2 trainer.test_freq=0 trainer.log_samples=2"
     )
     if source_env_file:
@@ -65,7 +65,7 @@ def train(guarded, tmp_path: Path, extra_env: dict[str, str], source_env_file: b
 def test_bad_credentials_are_refused_before_any_server_starts(tmp_path):
     for auth, problem in (("team", "must be user:password"), ("team:short", "at least 12 characters")):
         done = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "server", "up", "--state-dir", str(tmp_path)],
+            [sys.executable, "-m", "flows", "server", "up", "--state-dir", str(tmp_path)],
             cwd=ROOT, env={**os.environ, "RLFLOW_SERVER_AUTH": auth, "COLUMNS": "300"},
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip

@@ -118,6 +118,9 @@ def test_start_writes_state_and_both_health_endpoints_answer(services):
     assert (
         f"export RLFLOW_LOCAL_RAY=127.0.0.1:{config.ray_port}\n" in env_sh and record["ray"]["pid"] == urls["ray_pid"]
     )
+    # the controller fork server (flows/forkserver.py): its socket in the state folder, only for this user
+    sock = config.state_dir / "controller.sock"
+    assert f"export RLFLOW_CONTROLLER={sock}\n" in env_sh and record["controller"]["pid"] == urls["controller_pid"]
     # Both SQLite backends live in the state folder.
     assert (config.state_dir / "prefect" / "prefect.db").is_file()
     assert (config.state_dir / "mlflow" / "mlflow.db").is_file()
@@ -146,6 +149,12 @@ def test_status_and_cli_report_healthy_services(services):
     for name in ("prefect", "mlflow", "ray"):
         assert status[name]["alive"] and status[name]["healthy"]
         assert status[name]["pid"] == urls[f"{name}_pid"]
+    # the controller fork server answers once it imported everything (commands run in their own process till then)
+    deadline = time.monotonic() + 300
+    while not service_status(config)["controller"]["healthy"]:
+        assert time.monotonic() < deadline and service_status(config)["controller"]["alive"]
+        time.sleep(1)
+    assert (config.state_dir / "controller.sock").stat().st_mode & 0o777 == 0o600
 
     runner = CliRunner()
     result = runner.invoke(server_app, ["status", "--state-dir", str(config.state_dir)])
@@ -284,7 +293,7 @@ def test_stop_kills_both_and_is_idempotent(services):
     config, urls = services
     ray_processes = psutil.Process(urls["ray_pid"]).children(recursive=True)
     assert any(p.name() == "raylet" for p in ray_processes)
-    assert stop_services(config) == {"prefect": True, "mlflow": True, "ray": True}
+    assert stop_services(config) == {"prefect": True, "mlflow": True, "ray": True, "controller": True}
     for name in ("prefect", "mlflow"):
         assert not _pids_with_args("--port", str(getattr(config, f"{name}_port")))
     assert not [p for p in ray_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -292,5 +301,5 @@ def test_stop_kills_both_and_is_idempotent(services):
     with pytest.raises(OSError):
         _get(urls[PREFECT_API_URL] + "/health")
     assert not (config.state_dir / "services.json").exists()
-    assert stop_services(config) == {"prefect": False, "mlflow": False, "ray": False}
-    assert not any(s["alive"] or s["healthy"] for s in service_status(config).values())
+    assert stop_services(config) == {"prefect": False, "mlflow": False, "ray": False, "controller": False}
+    assert not any(s["alive"] or s["healthy"] for s in service_status(config).values()), service_status(config)
