@@ -166,6 +166,7 @@ def ray_cluster():
 def services(tmp_path_factory):
     """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) and the local Ray of `rlflow server up`, for
     the whole session: every `rlflow` process a test starts joins that Ray, as a user's runs do."""
+    from flows import kept
     from flows.preflight import apply_service_env
     from flows.services import CONTROLLER, ServiceConfig, start_services, stop_services
 
@@ -176,14 +177,10 @@ def services(tmp_path_factory):
         ray_port=free_port(),
     )
     saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RLFLOW_LOCAL_RAY", CONTROLLER)}
-    # started from this process's environment as a user's shell has it: the controller fork server takes the
-    # commands of an environment like its own (tests/rlflow_cli.py), and pytest's variable changes with every test
-    current_test = os.environ.pop("PYTEST_CURRENT_TEST", None)
-    try:
-        urls = start_services(config)
-    finally:
-        if current_test is not None:
-            os.environ["PYTEST_CURRENT_TEST"] = current_test
+    # the controller fork server takes the commands of an environment like its own: this process's, with Ray's token
+    # setting as this process has it once it joined its Ray (tests/rlflow_cli.py: the commands' environment)
+    kept.use_token_authentication()
+    urls = start_services(config)
     apply_service_env(urls)
     SESSION_SERVICES.update(urls)
     yield urls
