@@ -31,7 +31,7 @@ RAY_SYSTEM = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", 
 
 def kind(cmdline: str, name: str) -> str | None:
     """The kind of process a command line is; None while it cannot tell yet (a Ray worker before its title)."""
-    if "flows/forkserver.py" in cmdline:
+    if "flows/warm_controller.py" in cmdline:
         return "controller fork server"
     # the command (``python -m flows``, the `rlflow` script, ``-m flows.cli``), or a fork server's child named after it
     command = f"{cmdline} "

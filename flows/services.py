@@ -56,8 +56,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from flows import forkserver
 from flows.forkserver import CONTROLLER_ENV as CONTROLLER  # the controller fork server's socket, in env.sh
+from flows.forkserver import SOCKET_NAME
 from flows.kept import LOCAL_RAY_ENV as LOCAL_RAY  # the local Ray's address, in env.sh
 
 logger = logging.getLogger(__name__)
@@ -347,8 +347,9 @@ def _controller_spec(config: ServiceConfig) -> _Spec:
     """The controller fork server (flows/forkserver.py): `rlflow` commands run in its forked children, with torch,
     transformers, Prefect, MLflow and Ray imported once. It listens once it imported them, seconds after the servers
     answer: `up` does not wait for it, and until then commands run in their own processes, as without it."""
-    path = config.state_dir / forkserver.SOCKET_NAME
-    command = [sys.executable, str(Path(forkserver.__file__).resolve()), str(path)]
+    path = config.state_dir / SOCKET_NAME
+    # a file, not a module: the server serves the checkout it is in (and importing it would import the CLI)
+    command = [sys.executable, str(Path(__file__).resolve().with_name("warm_controller.py")), str(path)]
     return _Spec("controller", 0, "", f"unix://{path}", f"unix://{path}", command, {},
                  config.state_dir / "logs" / "controller.log", waited_for=False)  # fmt: skip
 
@@ -478,7 +479,7 @@ def _is_ours(pid: int, name: str) -> bool:
         return True  # no /proc: trust the live process group
     stat = _proc_stat(pid)
     if name == "controller":
-        ours = any(word.endswith(b"flows/forkserver.py") for word in cmdline)
+        ours = any(word.endswith(b"flows/warm_controller.py") for word in cmdline)
     else:
         marker = (b"ray.scripts.scripts", b"start") if name == "ray" else (name.encode(), b"server")
         ours = all(word in cmdline for word in marker)

@@ -96,7 +96,7 @@ def test_cpu_by_process_tells_rlflow_s_processes_apart():
     assert kind("/x/.venv/bin/python -m flows.cli train grpo --config demo", "python") == "rlflow CLI (controller)"
     assert kind("/x/.venv/bin/python -m flows train grpo --config demo", "python") == "rlflow CLI (controller)"
     assert kind("rlflow train grpo --config demo", "python") == "rlflow CLI (controller)"  # forked, named so
-    assert kind("/x/.venv/bin/python /x/flows/forkserver.py /x/.rlflow/controller.sock", "python") == (
+    assert kind("/x/.venv/bin/python /x/flows/warm_controller.py /x/.rlflow/controller.sock", "python") == (
         "controller fork server"
     )
     assert kind("/x/.venv/bin/python -m prefect server start --host 127.0.0.1", "python") == "Prefect server"

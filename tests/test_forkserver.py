@@ -1,8 +1,8 @@
-"""The controller fork server (flows/forkserver.py), started as `rlflow server up` starts it but on its own: a
-command it takes runs in its forked child, with its exit code, its streams and its name; one whose environment
-differs in what imports read, or that comes after the server's code changed on disk, runs in its own process as
-without a server, and the server starts again with the code as it is now. (Runs through it, killed ones included:
-tests/test_local_ray.py and every `rlflow` command of the suite, tests/rlflow_cli.py.)"""
+"""The controller fork server (flows/forkserver.py, flows/warm_controller.py), started as `rlflow server up` starts
+it but on its own: a command it takes runs in its forked child, with its exit code, its streams and its name; one
+whose environment differs in what imports read, or that comes after the server's code changed on disk, runs in its
+own process as without a server, and the server starts again with the code as it is now. (Runs through it, killed
+ones included: tests/test_local_ray.py and every `rlflow` command of the suite, tests/rlflow_cli.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import forkserver
+from flows import forkserver, warm_controller
 from flows.services import http_ok
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,8 @@ def fork_server(tmp_path_factory):
     sock, log = folder / forkserver.SOCKET_NAME, folder / "controller.log"
     start = (
         f"import sys; sys.path.insert(0, {str(folder)!r}); import forkserver_test_marker; "
-        f"sys.argv = ['forkserver.py', {str(sock)!r}]; import runpy; "
-        f"runpy.run_path({forkserver.__file__!r}, run_name='__main__')"
+        f"sys.argv = ['warm_controller.py', {str(sock)!r}]; import runpy; "
+        f"runpy.run_path({warm_controller.__file__!r}, run_name='__main__')"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     with open(log, "ab") as out:
