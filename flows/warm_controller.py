@@ -22,16 +22,16 @@ from typing import NoReturn
 
 # variables read when used, not at import: Prefect's settings (read again in the child), MLflow's, rlflow's, the
 # object store's credentials, Ray's address and what `ray.init` sets in a parent that joined a Ray (Python's
-# breakpoint hook, Ray's usage statistics); and those of the terminal or of the process that started the command
-# (pytest's, for each test), which no library reads; torch.distributed's rendezvous, read when a process group starts
-# (a controller starts none; a parent that ran one in-process, a test process, has them)
+# breakpoint hook, Ray's usage statistics), torch.distributed's rendezvous (read when a process group starts, which a
+# controller never does; a test process that ran one in-process has them); and those of the terminal or of what
+# started the command or the server (make's, when `make demo` started the servers; pytest's), which no library reads
 _READ_WHEN_USED_PREFIXES = ("PREFECT_", "MLFLOW_", "RLFLOW_", "AWS_", "TORCHELASTIC_")
 _READ_AT_IMPORT_PREFIXES = ("PREFECT_LOGGING_",)  # Prefect's logging is set up when it is imported
-_SHELL_OWN = {
+_MAY_DIFFER = {
     "_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", "RAY_ADDRESS", "PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED",
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
     "WINDOWID", "TERM_SESSION_ID", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "TMUX_PANE", "STY", "GPG_TTY",
-    "XDG_SESSION_ID", "PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
+    "XDG_SESSION_ID", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "PYTEST_CURRENT_TEST",
 }  # fmt: skip
 
 
@@ -180,7 +180,7 @@ class _Server:
 def _may_differ(name: str) -> bool:
     if name.startswith(_READ_AT_IMPORT_PREFIXES):
         return False
-    return name.startswith(_READ_WHEN_USED_PREFIXES) or name in _SHELL_OWN
+    return name.startswith(_READ_WHEN_USED_PREFIXES) or name in _MAY_DIFFER
 
 
 def _changed_since(started: float) -> bool:
