@@ -181,6 +181,22 @@ def in_local_ray() -> bool:
     return port == address.rpartition(":")[2] and host in ("127.0.0.1", ray.util.get_node_ip_address())
 
 
+def ensure_token() -> None:
+    """Before starting a local Ray with `ray start`: this user's token for Ray's token authentication, made with
+    Ray's own function if there is none (``ray get-auth-token --generate``). `ray start` turns token authentication
+    on only when a token exists (a new local Ray of ``ray.init`` makes one), and runs join it with authentication on
+    (``use_token_authentication``): on a machine where Ray never ran before, every join would be refused."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return
+    from ray._private.authentication.authentication_token_setup import (
+        AuthenticationTokenLoader,
+        generate_and_save_token,
+    )
+
+    if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        generate_and_save_token()
+
+
 def use_token_authentication() -> None:
     """Before joining the local Ray: send its token (Ray's token authentication, on by default for `ray start`; the
     token is in ~/.ray/auth_token). Ray reads ``RAY_AUTH_MODE`` when it is imported, so it is set with Ray's own

@@ -56,6 +56,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from flows import kept
 from flows.forkserver import CONTROLLER_ENV as CONTROLLER  # the controller fork server's socket, in env.sh
 from flows.forkserver import SOCKET_NAME
 from flows.kept import LOCAL_RAY_ENV as LOCAL_RAY  # the local Ray's address, in env.sh
@@ -702,6 +703,8 @@ def _start_and_wait(config: ServiceConfig, specs: list[_Spec], record: dict[str,
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for spec in specs:
+            if spec.name == "ray":
+                kept.ensure_token()
             procs[spec.name] = _launch(spec, cwd=config.state_dir)
             record[spec.name] = {
                 "pid": procs[spec.name].pid,

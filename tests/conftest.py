@@ -132,6 +132,7 @@ def ray_cluster():
         # instance with a temporary folder of its own (short: Ray's socket paths have a length limit), never a
         # `ray start` cluster another test started on this machine
         temp_dir = tempfile.mkdtemp(prefix="/tmp/rlt-")
+        kept.ensure_token()  # as `rlflow server up` does: `ray start` turns authentication on when a token exists
         started = subprocess.Popen(
             local_ray_command(port, 16, temp_dir),
             stdout=subprocess.DEVNULL,

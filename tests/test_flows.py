@@ -328,10 +328,12 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
         (checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.update_actor", signal.SIGKILL),
         (after(injector, 1), "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGSTOP),
         (
-            lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.compute_ref_log_prob"),
+            # once the run is training again: during a generation, the longest stage, which the step's reward
+            # follows (a short stage such as the reference's can pass between two looks under the suite's load)
+            lambda: after(injector, 2)() and busy_worker("ray::ActorRolloutRefWorker.generate_sequences"),
             "ray::RewardWorker",
             signal.SIGKILL,
-        ),  # once the run is training again
+        ),
         (reward_replaced, "ray::ActorRolloutRefWorker.generate_sequences", signal.SIGKILL),  # a 4th restart
     ]
     injector.start()

@@ -78,3 +78,62 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
     after = load_file(tmp_path / "after" / "final_model" / "model.safetensors")
     assert all(torch.equal(weights[0][k], after[k]) for k in after)
     assert not set(local_ray_workers(services["ray_pid"])) & set(kept)
+
+
+JOIN_A_NEW_LOCAL_RAY = """
+import os, signal, socket, subprocess, sys, tempfile, time
+import ray
+from flows import kept
+from flows.services import free_port, local_ray_command
+
+if sys.argv[1] == "with-token":
+    kept.ensure_token()  # what `rlflow server up` does before `ray start`
+port, temp_dir = free_port(), tempfile.mkdtemp(prefix="/tmp/rlt-")
+head = subprocess.Popen(local_ray_command(port, 2, temp_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True)
+try:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.monotonic() < deadline
+            time.sleep(0.25)
+    kept.use_token_authentication()  # a run's join (flows/task_runner.py)
+    try:
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        print("joined", ray.cluster_resources()["CPU"])
+    except Exception as error:
+        print("refused", type(error).__name__)
+finally:
+    os.killpg(head.pid, signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("token", ["with-token", "without"])
+def test_a_machine_where_ray_never_ran_gets_a_token_before_the_local_ray_starts(tmp_path, token):
+    """On a new machine (no ~/.ray/auth_token) `ray start` leaves Ray's token authentication off, and a run's join,
+    which sends a token, is refused: the local Ray of `rlflow server up` (and each test process's) is started after
+    ``kept.ensure_token`` made one, with Ray's own function."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home)}
+    done = subprocess.run(
+        [sys.executable, "-c", JOIN_A_NEW_LOCAL_RAY, token],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = done.stdout.strip().splitlines()[-1:] or [done.stderr[-2000:]]
+    if token == "with-token":
+        assert last == ["joined 2.0"], done.stderr[-2000:]
+        assert len((home / ".ray" / "auth_token").read_text()) >= 32
+    else:
+        assert last == ["refused AuthenticationError"], done.stderr[-2000:]
+        assert not (home / ".ray" / "auth_token").exists()
