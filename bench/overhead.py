@@ -106,6 +106,38 @@ def grpo_step(groups: dict, prompts, algorithm: dict, step: int, submit) -> dict
     return {"step": time.perf_counter() - start, **{k: v for k, v in metrics.items() if k.startswith("timing_s/")}}
 
 
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's CPU seconds so far, with its kind (bench/cpu_by_process.py's; this process is the flow's)."""
+    import psutil
+    from cpu_by_process import kind  # bench/, beside this file
+
+    found = {}
+    for process in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+        times = process.info["cpu_times"]
+        if times is None:
+            continue
+        label = "the flow (this process)" if process.info["pid"] == os.getpid() else None
+        label = (
+            label
+            or kind(" ".join(process.info["cmdline"] or []), process.info["name"] or "")
+            or "Ray workers without a title (IDLE)"
+        )
+        found[process.info["pid"]] = (label, times.user + times.system)
+    return found
+
+
+def timed_steps(step, prompts: list) -> tuple[list[dict], dict[str, float]]:
+    """``step(prompts, index)`` for every batch; the steps' times, and the CPU seconds each kind of process used
+    from the end of the first step (the warm-up) to the end of the last."""
+    times = [step(prompts[0], 0)]
+    before = cpu_seconds()
+    times += [step(batch, index) for index, batch in enumerate(prompts[1:], 1)]
+    used: dict[str, float] = {}
+    for pid, (label, seconds) in cpu_seconds().items():
+        used[label] = used.get(label, 0.0) + seconds - before.get(pid, (label, 0.0))[1]
+    return times, used
+
+
 class Done:
     """A plain loop's "future": the value, already there."""
 
@@ -170,26 +202,29 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
         "stock RayTaskRunner": RayTaskRunner,
     }
     walls: dict[str, list[dict]] = {name: [] for name in ways}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in ways}  # CPU seconds by kind of process, counted steps
     with ThreadPoolExecutor(3) as pool:
         for round_ in range(rounds):
             for name in ways if round_ % 2 == 0 else reversed(ways):
                 runner = ways[name]
+                prompts = batches()
                 if runner is None:
                     submit = plain_submit(pool)
-                    times = [grpo_step(groups, p, algorithm, s, submit) for s, p in enumerate(batches())]
+                    times, used = timed_steps(lambda p, s: grpo_step(groups, p, algorithm, s, submit), prompts)
                 else:  # the groups and batches reach the flow by closure: flow parameters go to the Prefect API
-                    prompts = batches()
 
                     @flow(name="overhead-bench-grpo", persist_result=False, task_runner=runner())
-                    def grpo_steps() -> list[dict]:
+                    def grpo_steps() -> tuple[list[dict], dict[str, float]]:
                         with remote_options(num_cpus=0, max_retries=0):  # stock tasks ask no CPU, as the host
-                            return [
-                                grpo_step(groups, p, algorithm, s, lambda stage_task, *args: stage_task.submit(*args))
-                                for s, p in enumerate(prompts)
-                            ]
+                            return timed_steps(
+                                lambda p, s: grpo_step(groups, p, algorithm, s, lambda task, *a: task.submit(*a)),
+                                prompts,
+                            )
 
-                    times = grpo_steps()
+                    times, used = grpo_steps()
                 walls[name] += times[1:]
+                for label, seconds in used.items():
+                    cpu[name][label] = cpu[name].get(label, 0.0) + seconds
     stages = [k for k in walls["plain loop (no Prefect)"][0] if k != "step"]
     print(f"{'median s':24s} {'step':>6s} " + " ".join(f"{k.removeprefix('timing_s/'):>12s}" for k in stages))
     median = {
@@ -200,6 +235,17 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
     plain = median["plain loop (no Prefect)"]["step"]
     warm, stock = (median[k]["step"] for k in ("WarmRayTaskRunner", "stock RayTaskRunner"))
     print(f"(the stage columns: time in each stage's body; steps of {steps} per way and round, {rounds} rounds)")
+    # why a stage's body is slower under a runner on a machine whose cores the workers keep busy: the CPU that the
+    # runner's processes (task host, Prefect server) spend per step is taken from the workers
+    counted = {name: len(times) for name, times in walls.items()}
+    labels = sorted({label for used in cpu.values() for label in used}, key=lambda k: -cpu[list(ways)[1]].get(k, 0))
+    print(f"\n{'CPU ms per step, by process':32s}" + "".join(f"{name.split(' (')[0]:>22s}" for name in ways))
+    for label in labels:
+        per_step = [cpu[name].get(label, 0.0) / counted[name] * 1000 for name in ways]
+        if max(per_step) >= 1:
+            print(f"{label:32s}" + "".join(f"{value:22.1f}" for value in per_step))
+    totals = [sum(cpu[name].values()) / counted[name] * 1000 for name in ways]
+    print(f"{'all processes':32s}" + "".join(f"{value:22.1f}" for value in totals))
     print(
         "controller share of the step (1 - plain / runner): "
         f"WarmRayTaskRunner {1 - plain / warm:.3f}, stock {1 - plain / stock:.3f}"

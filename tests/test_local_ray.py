@@ -103,7 +103,8 @@ try:
     kept.use_token_authentication()  # a run's join (flows/task_runner.py)
     try:
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
-        print("joined", ray.cluster_resources()["CPU"])
+        print("joined", ray.cluster_resources()["CPU"], flush=True)
+        ray.shutdown()  # before its Ray ends: a driver whose Ray is gone waits for it at exit
     except Exception as error:
         print("refused", type(error).__name__)
 finally:
