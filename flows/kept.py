@@ -21,11 +21,14 @@ import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 LOCAL_RAY_ENV = "RLFLOW_LOCAL_RAY"  # the address of the local Ray of `rlflow server up` (flows/services.py)
 NAMESPACE = "rlflow"
-REGISTRY_NAME = "rlflow-kept-processes"
+REGISTRY_NAME = (
+    "rlflow-kept-processes-2"  # -2: holders by start ticks (a registry of before, in a Ray still up, is left alone)
+)
 IDLE_S = 1800.0  # an idle group or host older than this is ended: its processes hold memory (~0.4 GiB each)
 CHECK_EVERY_S = 5.0  # how often the registry looks for processes that died holding something
 
@@ -39,19 +42,23 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def holder() -> tuple[int, float]:
+def holder() -> tuple[int, int]:
     """This process as a holder of kept processes: its pid and start time (a pid alone may be reused)."""
-    import psutil
-
-    return os.getpid(), psutil.Process().create_time()
+    return os.getpid(), _started(os.getpid())
 
 
-def _holder_alive(who: tuple[int, float]) -> bool:
-    import psutil
+def _started(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since the machine booted (/proc/<pid>/stat's 22nd field). Not
+    psutil's ``create_time``: that adds the boot time in whole seconds of the wall clock, which moves by one when the
+    clock is adjusted across a second, and a live holder then looked dead (its groups were ended under its run)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after the command's name start at the 3rd
 
+
+def _holder_alive(who: tuple[int, int]) -> bool:
     try:
-        return abs(psutil.Process(who[0]).create_time() - who[1]) < 1.0
-    except psutil.NoSuchProcess:
+        return _started(who[0]) == who[1]
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 

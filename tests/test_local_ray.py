@@ -138,3 +138,21 @@ def test_a_machine_where_ray_never_ran_gets_a_token_before_the_local_ray_starts(
     else:
         assert last == ["refused AuthenticationError"], done.stderr[-2000:]
         assert not (home / ".ray" / "auth_token").exists()
+
+
+def test_a_holder_is_its_pid_and_its_start_in_ticks_since_boot_not_the_wall_clock():
+    """The registry tells a live holder from a dead one (or a new process with its pid) by the start recorded with it;
+    a start derived from the wall clock moved when the clock was adjusted and a live run's groups were ended."""
+    import subprocess
+    import sys
+
+    from flows import kept
+
+    pid, started = kept.holder()
+    assert pid == os.getpid() and isinstance(started, int)
+    assert kept._holder_alive((pid, started))
+    assert not kept._holder_alive((pid, started + 1))  # another process that got this pid later
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child_started = kept._started(child.pid)
+    child.wait()
+    assert not kept._holder_alive((child.pid, child_started))  # gone
