@@ -122,14 +122,14 @@ class TcpProxy(threading.Thread):
     on the machine: the ``nth`` client request containing ``marker`` is refused before it is relayed, and so is
     every request and connection after it, while the requests already relayed finish (an HTTP request is a
     client chunk that starts with a method; the rest of a body already under way still passes). ``act_at(marker,
-    action, nth)`` instead calls ``action()`` (e.g. kill the client) and drops that request only: the proxy stays up
-    for the client's next attempt."""
+    action, nth)`` instead calls ``action(sender)`` with the pid of the process that sent that request (e.g. to kill
+    it) and drops that request only: the proxy stays up for the client's next attempt."""
 
     def __init__(self, target_port: int):
         super().__init__(daemon=True)
         self.target_port = target_port
         self._trigger: tuple[bytes, int] | None = None
-        self._action: Callable[[], None] | bytes | None = None
+        self._action: Callable[[int | None], None] | bytes | None = None
         self._every = False  # answer_at(every=True): the trigger stays armed
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
@@ -165,7 +165,7 @@ class TcpProxy(threading.Thread):
                         self.answered.append(data.split(b"\r\n", 1)[0])
                         return
                     if hit and action is not None:  # act_at: this request only
-                        action()
+                        action(sender_pid(source))
                         _reset(source)
                         return
                     if hit or (self.is_cut.is_set() and _starts_request(data)):
@@ -184,7 +184,7 @@ class TcpProxy(threading.Thread):
         with self._lock:
             self._trigger, self._action, self._every = (marker, nth), None, False
 
-    def act_at(self, marker: bytes, action: Callable[[], None], nth: int = 1) -> None:
+    def act_at(self, marker: bytes, action: Callable[[int | None], None], nth: int = 1) -> None:
         with self._lock:
             self._trigger, self._action, self._every = (marker, nth), action, False
 
@@ -201,7 +201,7 @@ class TcpProxy(threading.Thread):
             self._trigger, self._action = (marker, nth), (head + "Connection: close\r\n\r\n").encode() + body
             self._every = every
 
-    def _triggered(self, data: bytes) -> tuple[bool, Callable[[], None] | bytes | None]:
+    def _triggered(self, data: bytes) -> tuple[bool, Callable[[int | None], None] | bytes | None]:
         """Whether ``data`` is the request the trigger waits for, and the action to take (None: cut)."""
         with self._lock:
             if self._trigger is None or self._trigger[0] not in data:
@@ -225,6 +225,43 @@ class TcpProxy(threading.Thread):
         self._halt.set()
         self.cut()
         self.listener.close()
+
+
+def sender_pid(accepted: socket.socket) -> int | None:
+    """The pid of the process on this machine whose TCP socket is the other end of ``accepted`` (None: gone)."""
+    with contextlib.suppress(OSError):
+        peer = accepted.getpeername()
+        for connection in psutil.net_connections(kind="tcp"):
+            if connection.pid and connection.laddr and tuple(connection.laddr) == peer:
+                return connection.pid
+    return None
+
+
+def kill_process_groups(*pids: int | None) -> None:
+    """SIGKILL the process group of each of ``pids`` and wait until every process signalled has died (a zombie or
+    gone; none is reaped here), as the kernel's OOM killer ends a process: nothing runs in them after this returns."""
+    groups = {os.getpgid(pid) for pid in pids if pid is not None and psutil.pid_exists(pid)}
+    members = [process for process in psutil.process_iter() if _group_of(process) in groups]
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not all(map(_dead, members)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _group_of(process: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(process.pid)
+    except ProcessLookupError:
+        return None
+
+
+def _dead(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _starts_request(data: bytes) -> bool:

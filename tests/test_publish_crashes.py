@@ -16,12 +16,11 @@ from it and continues its data.
 
 from __future__ import annotations
 
-import os
 import signal
 import uuid
 
 import pytest
-from faults import TcpProxy
+from faults import TcpProxy, kill_process_groups
 from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow, rlflow_in_background
 
@@ -85,9 +84,17 @@ def test_a_run_killed_at_each_step_of_publishing_publishes_once(services, mlflow
     for marker, nth, stands in KILL_POINTS:
         process = rlflow_in_background("train", "sft", *common, "trainer.run_name=crashing", env=through_proxy)
         killed = []
-        mlflow_proxy.act_at(marker, lambda: killed.append(os.killpg(process.pid, signal.SIGKILL)), nth)
+
+        def kill(sender: int | None, process=process, killed=killed) -> None:
+            # the command's process group and the one of the controller that sent the request: a child of the
+            # controller fork server, in a group of its own, that would die only a moment later, seeing the command die
+            killed.append(sender)
+            kill_process_groups(process.pid, sender)
+
+        mlflow_proxy.act_at(marker, kill, nth)
         output, _ = process.communicate(timeout=400)
         assert killed and process.returncode == -signal.SIGKILL, f"not killed at {marker!r}:\n{output[-3000:]}"
+        assert killed[0] is not None, "the process that sent the request was not found"
         now = state()
         assert {key: now[key] for key in expected[stands]} == expected[stands], (stands, now, output[-2000:])
         assert now["status"] == "RUNNING" and not now["complete"], now
