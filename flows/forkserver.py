@@ -141,8 +141,14 @@ def checkout() -> str:
     return str(Path(__file__).resolve().parents[1])
 
 
+def start_ticks(pid: int | str = "self") -> int:
+    """When process ``pid`` started, in clock ticks since the machine booted (/proc/<pid>/stat's 22nd field; the
+    fields after the command's name start at the 3rd)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
 def process_start() -> float:
     """This process's start (seconds since the epoch), from /proc: what a run's start-up phases count from."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    ticks = start_ticks()
     boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
     return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -21,8 +21,9 @@ import contextlib
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
+
+from flows.forkserver import start_ticks
 
 LOCAL_RAY_ENV = "RLFLOW_LOCAL_RAY"  # the address of the local Ray of `rlflow server up` (flows/services.py)
 NAMESPACE = "rlflow"
@@ -43,21 +44,16 @@ def digest(value) -> str:
 
 
 def holder() -> tuple[int, int]:
-    """This process as a holder of kept processes: its pid and start time (a pid alone may be reused)."""
-    return os.getpid(), _started(os.getpid())
-
-
-def _started(pid: int) -> int:
-    """When process ``pid`` started, in clock ticks since the machine booted (/proc/<pid>/stat's 22nd field). Not
-    psutil's ``create_time``: that adds the boot time in whole seconds of the wall clock, which moves by one when the
-    clock is adjusted across a second, and a live holder then looked dead (its groups were ended under its run)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after the command's name start at the 3rd
+    """This process as a holder of kept processes: its pid and start time (a pid alone may be reused), in clock ticks
+    since boot. Not psutil's ``create_time``: that adds the boot time in whole seconds of the wall clock, which moves
+    by one when the clock is adjusted across a second, and a live holder then looked dead (its groups were ended
+    under its run)."""
+    return os.getpid(), start_ticks(os.getpid())
 
 
 def _holder_alive(who: tuple[int, int]) -> bool:
     try:
-        return _started(who[0]) == who[1]
+        return start_ticks(who[0]) == who[1]
     except (FileNotFoundError, ProcessLookupError):
         return False
 

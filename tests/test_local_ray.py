@@ -147,12 +147,13 @@ def test_a_holder_is_its_pid_and_its_start_in_ticks_since_boot_not_the_wall_cloc
     import sys
 
     from flows import kept
+    from flows.forkserver import start_ticks
 
     pid, started = kept.holder()
     assert pid == os.getpid() and isinstance(started, int)
     assert kept._holder_alive((pid, started))
     assert not kept._holder_alive((pid, started + 1))  # another process that got this pid later
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child_started = kept._started(child.pid)
+    child_started = start_ticks(child.pid)
     child.wait()
     assert not kept._holder_alive((child.pid, child_started))  # gone
