@@ -7,7 +7,12 @@ shared by two lineages at once, with Ray's state API checking that runs leave no
 
 Both nodes run with RAY_enable_metrics_collection=0. With metrics on and the node SIGKILLed, on this 2-core machine
 the head's GCS and dashboard agent kept both cores busy afterwards and starved the restarted workers; which of the
-two changes cured it was not isolated."""
+two changes cured it was not isolated.
+
+Their workers run at nice 0 (RAY_worker_niceness=0, Ray's default is 15): beside another test whose processes run at
+nice 0 (servers, controllers, Ray workers still importing ray) a nice-15 worker gets ~3% of a core, and in CI the Ray
+Client test's 6 worker processes were still importing 300 s after they started (reproduced here: two nice-0 loops
+beside the test, its task host still in `import mlflow` after 280 s). At equal niceness each gets its share."""
 
 from __future__ import annotations
 
@@ -85,6 +90,7 @@ def cluster(services):
         "RAY_AUTH_MODE": "token",  # token: the default of `ray start`
         "PYTHONPATH": str(ROOT),
         "RAY_enable_metrics_collection": "0",
+        "RAY_worker_niceness": "0",  # see the module's docstring
     }
     env.pop("RAY_ADDRESS", None)
     port = free_port()
@@ -97,6 +103,26 @@ def cluster(services):
     head.kill()
     left = head.processes() + other.processes()
     assert not left, [p.cmdline()[:2] for p in left]
+
+
+def stacks(node: Node) -> str:
+    """Each Ray worker process of ``node``: its title, niceness, CPU seconds and Python stack (py-spy, which
+    ray[default] installs), for a test that waited too long to say where they were."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    lines = []
+    for process in node.processes():
+        try:
+            title, nice, cpu = process.cmdline()[0].split()[0], process.nice(), sum(process.cpu_times()[:2])
+        except (psutil.Error, IndexError):
+            continue
+        if title.startswith("ray::"):
+            dump = subprocess.run(
+                [py_spy, "dump", "--pid", str(process.pid)], capture_output=True, text=True, timeout=60
+            )
+            lines.append(
+                f"{process.pid} {title} nice {nice} cpu {cpu:.1f} s\n{dump.stdout[-3000:]}{dump.stderr[-500:]}"
+            )
+    return "\n".join(lines)
 
 
 def rlflow_workers_on(node: Node) -> list[str]:
@@ -219,7 +245,13 @@ def test_a_local_run_does_not_join_a_cluster_it_was_not_given(services, tmp_path
 def client_cluster(services):
     """A one-node cluster as KubeRay hands one out: a head with Ray Client's server (ray://) and the dashboard
     (Ray's state API), token authentication on."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT), "RAY_enable_metrics_collection": "0"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "PYTHONPATH": str(ROOT),
+        "RAY_enable_metrics_collection": "0",
+        "RAY_worker_niceness": "0",  # see the module's docstring
+    }
     env.pop("RAY_ADDRESS", None)
     port, client_port, dashboard_port = free_port(), free_port(), free_port()
     head = Node(
@@ -239,6 +271,7 @@ def client_cluster(services):
         "client": f"ray://127.0.0.1:{client_port}",
         "dashboard": f"http://127.0.0.1:{dashboard_port}",
         "env": env,
+        "head": head,
     }
     head.kill()
     assert not head.processes()
@@ -338,7 +371,9 @@ def test_two_lineages_share_a_cluster_through_ray_client_and_leave_nothing_behin
     deadline = time.monotonic() + 300
     while not list(runs.glob(f"rc-c-{tag}-*/checkpoints/step_1/manifest.json")):  # <lineage>-<time>-<run id>
         assert killed.poll() is None, killed.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no step-1 checkpoint within 300 s"
+        assert time.monotonic() < deadline, (
+            f"no step-1 checkpoint within 300 s; the workers:\n{stacks(cluster['head'])}"
+        )
         time.sleep(0.5)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(timeout=60)

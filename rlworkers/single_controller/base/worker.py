@@ -78,9 +78,10 @@ def _start_rendezvous_store(world_size: int) -> tuple[str, int]:
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def _await_rendezvous_store(key: str, timeout_s: float = 600.0, poll_s: float = 0.02) -> None:
+def _await_rendezvous_store(key: str, timeout_s: float = 600.0, poll_s: float = 0.02, max_poll_s: float = 0.25) -> None:
     """A group's rank > 0: the address rank 0's store was bound to, once rank 0 publishes it under ``key`` (the
-    group starts every rank at once; each waits only here, for rank 0's process to get this far)."""
+    group starts every rank at once; each waits only here, for rank 0's process to get this far). The poll backs off
+    to ``max_poll_s``: each is a request to Ray's GCS, which rank 0 (still importing) competes with for the CPU."""
     from ray.experimental.internal_kv import _internal_kv_get
 
     deadline = time.monotonic() + timeout_s
@@ -88,6 +89,7 @@ def _await_rendezvous_store(key: str, timeout_s: float = 600.0, poll_s: float = 
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank 0 of this worker group published no rendezvous address within {timeout_s:.0f} s")
         time.sleep(poll_s)
+        poll_s = min(2 * poll_s, max_poll_s)
     host, port = published.decode().rsplit(":", 1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
 

@@ -48,11 +48,14 @@ from rlworkers.single_controller.ray.group_transport import reduce_group
 from rlworkers.single_controller.ray.placement import RayResourcePool, _placed, _resources
 
 
-def _published_rendezvous(constructed, key: str, cls_name: str, poll_s: float = 0.05) -> tuple[str, str]:
+def _published_rendezvous(
+    constructed, key: str, cls_name: str, poll_s: float = 0.02, max_poll_s: float = 0.25
+) -> tuple[str, str]:
     """The "host:port" rank 0 publishes when its Worker.__init__ binds the store (see base/worker.py), read
     while the rest of its __init__ may still run (``constructed``: the ref that resolves when rank 0's constructor
     ends); a failed constructor raises WorkerError for rank 0. The key stays until every rank has read it (the group
-    deletes it)."""
+    deletes it). The poll backs off to ``max_poll_s``: this runs at Ray's driver priority (nice 0) while the workers
+    it waits for import at Ray's worker niceness (15), and through Ray Client each poll is a request to its server."""
     from ray.experimental.internal_kv import _internal_kv_get
 
     while True:
@@ -61,6 +64,7 @@ def _published_rendezvous(constructed, key: str, cls_name: str, poll_s: float = 
             host, port = published.decode().rsplit(":", 1)
             return host, port
         done, _ = ray.wait([constructed], timeout=poll_s)
+        poll_s = min(2 * poll_s, max_poll_s)
         if done:
             try:
                 ray.get(constructed)
