@@ -95,7 +95,7 @@ class Injector(threading.Thread):
         self._halt.set()
         self.join(5)
         for pid in self.stopped:
-            if psutil.pid_exists(pid):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
 
@@ -108,9 +108,8 @@ def after(injector: Injector, count: int) -> Callable[[], bool]:
 
     def ready() -> bool:
         hit = injector.done[:count]
-        return len(hit) == count and not any(
-            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for _, pid, _ in hit
-        )
+        # a process that ends between two looks at it is gone, not an error of the injector's thread
+        return len(hit) == count and all(_dead_pid(pid) for _, pid, _ in hit)
 
     return ready
 
@@ -260,6 +259,13 @@ def _group_of(process: psutil.Process) -> int | None:
 def _dead(process: psutil.Process) -> bool:
     try:
         return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _dead_pid(pid: int) -> bool:
+    try:
+        return _dead(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return True
 
