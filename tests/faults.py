@@ -109,7 +109,7 @@ def after(injector: Injector, count: int) -> Callable[[], bool]:
     def ready() -> bool:
         hit = injector.done[:count]
         # a process that ends between two looks at it is gone, not an error of the injector's thread
-        return len(hit) == count and all(_dead_pid(pid) for _, pid, _ in hit)
+        return len(hit) == count and not any(alive(pid) for _, pid, _ in hit)
 
     return ready
 
@@ -239,13 +239,17 @@ def sender_pid(accepted: socket.socket) -> int | None:
 def kill_process_groups(*pids: int | None) -> None:
     """SIGKILL the process group of each of ``pids`` and wait until every process signalled has died (a zombie or
     gone; none is reaped here), as the kernel's OOM killer ends a process: nothing runs in them after this returns."""
-    groups = {os.getpgid(pid) for pid in pids if pid is not None and psutil.pid_exists(pid)}
+    groups = set()
+    for pid in pids:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # one that already ended has no group left to kill
+                groups.add(os.getpgid(pid))
     members = [process for process in psutil.process_iter() if _group_of(process) in groups]
     for group in groups:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while not all(map(_dead, members)) and time.monotonic() < deadline:
+    while any(map(alive, members)) and time.monotonic() < deadline:
         time.sleep(0.005)
 
 
@@ -256,18 +260,14 @@ def _group_of(process: psutil.Process) -> int | None:
         return None
 
 
-def _dead(process: psutil.Process) -> bool:
+def alive(process: psutil.Process | int) -> bool:
+    """``process`` (or the pid) runs and is not a zombie, now; one that ends while it is looked at does not (never
+    ``pid_exists`` then ``status``: the process may end in between, and the second raises NoSuchProcess)."""
     try:
-        return process.status() == psutil.STATUS_ZOMBIE
+        process = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        return True
-
-
-def _dead_pid(pid: int) -> bool:
-    try:
-        return _dead(psutil.Process(pid))
-    except psutil.NoSuchProcess:
-        return True
+        return False
 
 
 def _starts_request(data: bytes) -> bool:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 import torch
-from faults import cpu_hogs
+from faults import alive, cpu_hogs
 
 from flows.config import ConfigError
 from flows.lineage import ModelReferenceError, RestartBudgetExhausted, RunAlreadyComplete
@@ -169,7 +169,7 @@ def test_a_killed_worker_is_named_and_the_group_restarts_in_place(peers):
     assert peers.unresponsive_ranks() == []
     assert peers.work(0) == [0, 1]
     assert set(peers.pid()).isdisjoint(pids)
-    assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+    assert not alive(pids[0])
 
 
 def test_a_hung_worker_times_out_and_is_ended(peers):
@@ -328,7 +328,7 @@ def test_only_ray_processes_left_by_a_dead_ray_are_reaped():
         reaped = reap_orphaned_ray_agents()
         assert {p.pid for p in dead} <= set(reaped) and not {p.pid for p in live} & set(reaped), reaped
         psutil.wait_procs(dead, timeout=10)
-        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in live)
+        assert all(alive(p) for p in live)
     finally:
         for process in (*live, *dead):
             with contextlib.suppress(psutil.NoSuchProcess):

@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from faults import alive
 from mlflow.tracking import MlflowClient
 from rlflow_cli import local_ray_workers
 from safetensors.torch import load_file
@@ -277,7 +278,7 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
     assert all(torch.equal(clean_weights[k], killed_weights[k]) for k in clean_weights)
     # no process of the dead attempt survives: its own, and those it trained in in the local Ray (the registry ended
     # them; the new attempt trained in new ones)
-    survivors = [p for p in attempt if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    survivors = [p for p in attempt if alive(p)]
     assert not survivors, [(p.pid, p.name(), json.dumps(p.cmdline()[:3])) for p in survivors]
 
 
@@ -305,8 +306,8 @@ def check_run_lost_with_its_worker(worker) -> None:
     engine = _flow_run_process(lost.id)
     worker["process"].stop(signal.SIGKILL)  # the worker's session: the worker and the flow-run process
     # SIGKILL is delivered at once but a process with a few GiB mapped takes a moment to exit on a busy machine
-    _, alive = psutil.wait_procs([engine], timeout=30)
-    assert not alive or alive[0].status() == psutil.STATUS_ZOMBIE, "the flow-run process outlived its worker"
+    _, left = psutil.wait_procs([engine], timeout=30)
+    assert not any(map(alive, left)), "the flow-run process outlived its worker"
     deadline = time.monotonic() + 300
     while read_flow_run(lost.id).state.type.value not in ("SCHEDULED", "FAILED", "COMPLETED"):
         assert time.monotonic() < deadline, f"still {read_flow_run(lost.id).state} after 300 s"

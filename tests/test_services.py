@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import alive
 from typer.testing import CliRunner
 
 from flows.cli import server_app
@@ -296,7 +297,7 @@ def test_stop_kills_both_and_is_idempotent(services):
     assert stop_services(config) == {"prefect": True, "mlflow": True, "ray": True, "controller": True}
     for name in ("prefect", "mlflow"):
         assert not _pids_with_args("--port", str(getattr(config, f"{name}_port")))
-    assert not [p for p in ray_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in ray_processes if alive(p)]
     assert _port_free(config.prefect_port) and _port_free(config.mlflow_port) and _port_free(config.ray_port)
     with pytest.raises(OSError):
         _get(urls[PREFECT_API_URL] + "/health")
