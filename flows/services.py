@@ -339,7 +339,7 @@ def _ray_spec(config: ServiceConfig) -> _Spec:
     address = f"127.0.0.1:{config.ray_port}"
     num_cpus = config.ray_cpus or max(8, os.cpu_count() or 1)
     command = local_ray_command(config.ray_port, num_cpus, f"/tmp/rlflow-ray-{digest}")
-    return _Spec("ray", config.ray_port, "--ray-port", address, f"tcp://{address}", command, LOCAL_RAY_ENV,
+    return _Spec("ray", config.ray_port, "--ray-port", address, f"tcp://{address}", command, LOCAL_RAY_PROCESS_ENV,
                  config.state_dir / "logs" / "ray.log")  # fmt: skip
 
 
@@ -357,7 +357,7 @@ def _controller_spec(config: ServiceConfig) -> _Spec:
 # The environment of a Ray of one node that outlives its runs (``local_ray_command``): no metrics, no usage stats, and
 # its dashboard agent's reporter, whose node and worker statistics only a dashboard shows (there is none), once a
 # minute instead of every 5 s: it costs an idle Ray CPU all along (docs/performance.md)
-LOCAL_RAY_ENV = {
+LOCAL_RAY_PROCESS_ENV = {
     "RAY_enable_metrics_collection": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "REPORTER_UPDATE_INTERVAL_MS": "60000",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.services import LOCAL_RAY_ENV, free_port, local_ray_command
+from flows.services import LOCAL_RAY_PROCESS_ENV, free_port, local_ray_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def ray_cluster():
         kept.ensure_token()  # as `rlflow server up` does: `ray start` turns authentication on when a token exists
         started = subprocess.Popen(
             local_ray_command(port, 16, temp_dir),
-            env={**os.environ, **LOCAL_RAY_ENV},
+            env={**os.environ, **LOCAL_RAY_PROCESS_ENV},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,

@@ -83,16 +83,23 @@ class Node:
             process.kill()
 
 
-@pytest.fixture
-def cluster(services):
+def cluster_env() -> dict:
+    """The environment of a test cluster's `ray start`s (see the module's docstring): token authentication (the
+    default of `ray start`), rlflow importable, no metrics, workers at nice 0, and no RAY_ADDRESS of the session's."""
     env = {
         **os.environ,
-        "RAY_AUTH_MODE": "token",  # token: the default of `ray start`
+        "RAY_AUTH_MODE": "token",
         "PYTHONPATH": str(ROOT),
         "RAY_enable_metrics_collection": "0",
-        "RAY_worker_niceness": "0",  # see the module's docstring
+        "RAY_worker_niceness": "0",
     }
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture
+def cluster(services):
+    env = cluster_env()
     port = free_port()
     head = Node(env, num_cpus=2, head_port=port)
     other = Node(env, num_cpus=3, resources='{"second_node": 1}')
@@ -245,14 +252,7 @@ def test_a_local_run_does_not_join_a_cluster_it_was_not_given(services, tmp_path
 def client_cluster(services):
     """A one-node cluster as KubeRay hands one out: a head with Ray Client's server (ray://) and the dashboard
     (Ray's state API), token authentication on."""
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",
-        "PYTHONPATH": str(ROOT),
-        "RAY_enable_metrics_collection": "0",
-        "RAY_worker_niceness": "0",  # see the module's docstring
-    }
-    env.pop("RAY_ADDRESS", None)
+    env = cluster_env()
     port, client_port, dashboard_port = free_port(), free_port(), free_port()
     head = Node(
         env,
