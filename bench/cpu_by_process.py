@@ -31,11 +31,12 @@ RAY_SYSTEM = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", 
 
 def kind(cmdline: str, name: str) -> str | None:
     """The kind of process a command line is; None while it cannot tell yet (a Ray worker before its title)."""
-    if "flows/warm_controller.py" in cmdline:
+    if "flows/ops/warm_controller.py" in cmdline:
         return "controller fork server"
-    # the command (``python -m flows``, the `rlflow` script, ``-m flows.cli``), or a fork server's child named after it
+    # the command (``python -m flows``, the `rlflow` script, ``-m flows.ops.cli``), or a fork server's child named after
+    # it
     command = f"{cmdline} "
-    if any(part in command for part in ("flows.cli", " -m flows ", "bin/rlflow ")) or command.startswith("rlflow "):
+    if any(part in command for part in ("flows.ops.cli", " -m flows ", "bin/rlflow ")) or command.startswith("rlflow "):
         return "rlflow CLI (controller)"
     if "prefect.engine" in cmdline:
         return "deployment run (controller)"

@@ -10,12 +10,12 @@ weights, gradients, AdamW's two moments, DDP's gradient buckets and the referenc
 gathers the whole policy (4 bytes a parameter) to generate (validation; GRPO's rollout): ~14 bytes a parameter at
 that peak, ~18 GiB for two workers of 0.62B; ``fsdp2-lockstep`` (``actor.fsdp_config.gather_for_generation=false``)
 generates a layer at a time instead (~12 bytes a parameter at 50M). At 1.03B (``--layers 20``) rlflow refuses ddp
-and fsdp2 before any worker starts on a 24 GiB machine (NotEnoughMemory, flows/run_start.py); fsdp2-lockstep trains
-SFT there, and GRPO with ``--override model.dtype=bfloat16 --override actor.optim.low_precision_weights=true`` (in
-float32 its second step, the first with AdamW's moments, is killed for memory: the docs' table). Those ~14 and
+and fsdp2 before any worker starts on a 24 GiB machine (NotEnoughMemory, flows/controller/run_start.py); fsdp2-lockstep
+trains SFT there, and GRPO with ``--override model.dtype=bfloat16 --override actor.optim.low_precision_weights=true``
+(in float32 its second step, the first with AdamW's moments, is killed for memory: the docs' table). Those ~14 and
 ~12 need glibc's mmap threshold fixed, which rlflow now does for fsdp2 workers on the CPU
-(``MALLOC_MMAP_THRESHOLD_=131072``, flows/groups.py): without it the workers' heaps kept FSDP2's freed gather buffers
-and their RSS grew step by step (to 20-33 bytes a parameter at 50M-100M).
+(``MALLOC_MMAP_THRESHOLD_=131072``, flows/controller/groups.py): without it the workers' heaps kept FSDP2's freed gather
+buffers and their RSS grew step by step (to 20-33 bytes a parameter at 50M-100M).
 
 Each run is the real CLI in a child process, as a user runs it, for each strategy of ``--strategies`` (``ddp``,
 ``fsdp2``, ``fsdp2-lockstep``: ``STRATEGIES`` below) and each flow of ``--flows`` (``grpo``: configs/demo.yaml,
@@ -44,7 +44,7 @@ parameter). Printed: a markdown table, the machine (CPU, cores, RAM), the date, 
 and the last lines of every run that did not finish. Logs in ~/.cache/rlflow/bench/fsdp_memory/logs/.
 
 Needs the Prefect and MLflow servers: uses those that PREFECT_API_URL and MLFLOW_TRACKING_URI name, else starts
-them as ``rlflow demo`` does (``flows.services.start_services``, in the repository root; reused if ``rlflow server
+them as ``rlflow demo`` does (``flows.ops.services.start_services``, in the repository root; reused if ``rlflow server
 up`` already runs them) and, if it started them, stops them at the end. The machine should be otherwise idle.
 
 ``--model smollm2-135m-instruct`` (or any model folder) measures a real model instead, DDP and fsdp2 side by side,
@@ -108,7 +108,7 @@ OVERRIDES = {
     ],
 }
 STEP_LINE = re.compile(r"step (\d+)/(\d+)\s.*?timing_s/step=([0-9.eE+-]+)")
-# a run refused before any worker starts: its workers' state alone would not fit (flows/run_start.py)
+# a run refused before any worker starts: its workers' state alone would not fit (flows/controller/run_start.py)
 REFUSED = re.compile(r"NotEnoughMemory: (.*)")
 # what a run that ran out of memory prints: Ray's memory monitor, a SIGKILLed worker, torch, Python
 OUT_OF_MEMORY = re.compile(
@@ -155,8 +155,9 @@ def _numel(shape: list[int]) -> int:
 def ensure_services() -> bool:
     """Point this process (and so the runs) at the servers: the environment's, else start (or reuse) the local ones
     as ``rlflow demo`` does. True if they were started here (and so are to be stopped at the end)."""
-    from flows.preflight import apply_service_env
-    from flows.services import MLFLOW_TRACKING_URI, PREFECT_API_URL, ServiceConfig, service_status, start_services
+    from flows.ops.preflight import apply_service_env
+    from flows.ops.services import ServiceConfig, service_status, start_services
+    from flows.plumbing.servers import MLFLOW_TRACKING_URI, PREFECT_API_URL
 
     if os.environ.get(PREFECT_API_URL) and os.environ.get(MLFLOW_TRACKING_URI):
         return False
@@ -223,7 +224,7 @@ def run_once(flow: str, strategy: str, model: Path, args, tag: str) -> dict:
     log = CACHE / "logs" / f"{run_name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     rlflow = Path(PYTHON).parent / "rlflow"
-    command = [str(rlflow)] if rlflow.exists() else [PYTHON, "-m", "flows.cli"]
+    command = [str(rlflow)] if rlflow.exists() else [PYTHON, "-m", "flows.ops.cli"]
     command += [
         "train",
         flow,
@@ -449,7 +450,7 @@ def main() -> None:
                 print(f"{results[-1]['result']}, {results[-1]['wall']:.0f} s", flush=True)
     finally:
         if started_services:
-            from flows.services import ServiceConfig, stop_services
+            from flows.ops.services import ServiceConfig, stop_services
 
             stop_services(ServiceConfig())
     print_report(args, params, results, started)

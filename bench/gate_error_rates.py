@@ -1,5 +1,6 @@
 """The promotion gate's error rates at the default settings, by simulation on the gate's own functions
-(``flows.evaluation.gate`` and ``compare``, which call ``rlworkers.algorithms.comparison``; no servers, no models).
+(``flows.lineages.evaluation.gate`` and ``compare``, which call ``rlworkers.algorithms.comparison``; no servers, no
+models).
 
 Each trial draws per-example scores of two models on the same ``--n`` examples and asks the gate:
 
@@ -34,7 +35,7 @@ import time
 import numpy as np
 
 from flows.config import EvalConfig
-from flows.evaluation import EvalResults, compare, gate
+from flows.lineages.evaluation import EvalResults, compare, gate
 from rlworkers.algorithms.comparison import detectable_difference, sign_test_power
 
 DEFAULTS = EvalConfig()
@@ -133,7 +134,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     began = time.perf_counter()
     settings = ", ".join(f"{k} {v}" for k, v in GATE.items())
-    print(f"The promotion gate at {settings}; n={n}; simulated on flows.evaluation.gate\n")
+    print(f"The promotion gate at {settings}; n={n}; simulated on flows.lineages.evaluation.gate\n")
 
     note = detectable_difference(n, q, confidence=GATE["confidence"])
     print(f"0/1 scores, {q:.0%} of examples answered differently (the power note: {note:.3f} found with 80% power)\n")

@@ -32,7 +32,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
-from flows.task_runner import WarmRayTaskRunner
+from flows.plumbing.task_runner import WarmRayTaskRunner
 
 
 @ray.remote(num_cpus=0)
@@ -168,8 +168,8 @@ def plain_submit(pool: ThreadPoolExecutor):
 
 def demo_step(config_name: str, steps: int, rounds: int) -> None:
     from flows.config import load_config
-    from flows.groups import build_groups
-    from flows.rows import dataset_rows
+    from flows.controller.groups import build_groups
+    from flows.controller.rows import dataset_rows
     from rlworkers.data.batching import prompt_batch
     from rlworkers.data.datasets import PromptDataLoader
     from rlworkers.models.loading import load_tokenizer, resolve_model_path
@@ -262,9 +262,9 @@ def main() -> None:
     args = parser.parse_args()
     from startup import cpu_description  # bench/startup.py, beside this file
 
-    from flows import kept
-    from flows.groups import ray_settings
-    from flows.preflight import use_running_services
+    from flows.controller.groups import ray_settings
+    from flows.ops.preflight import use_running_services
+    from flows.plumbing import kept
 
     print(f"CPU: {cpu_description()}")
     use_running_services()

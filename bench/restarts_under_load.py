@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flows.config import RLConfig  # noqa: E402
-from flows.deploy import POOL, TAG, deploy_all, ensure_automations, ensure_work_pool  # noqa: E402
-from flows.lineage import RESTART_STATE_NAME  # noqa: E402
+from flows.lineages.lineage import RESTART_STATE_NAME  # noqa: E402
+from flows.ops.deploy import POOL, TAG, deploy_all, ensure_automations, ensure_work_pool  # noqa: E402
 
 FINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 

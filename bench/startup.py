@@ -1,13 +1,14 @@
 """A run's fixed cost: `rlflow train` of a 2-step tiny job, with the servers up, from the command to its exit, and
-where that time goes (the run's own ``timing_s/startup/*`` metrics, flows/startup.py; its steps; ``timing_s/publish``;
-the rest is the shutdown: workers released, the MLflow run closed, Ray stopped, the process's exit).
+where that time goes (the run's own ``timing_s/startup/*`` metrics, flows/controller/startup.py; its steps;
+``timing_s/publish``; the rest is the shutdown: workers released, the MLflow run closed, Ray stopped, the process's
+exit).
 
 Each job runs ``--repeat`` times in a Ray of its own (the baseline: no local Ray given, the command in a process of
 its own), then, after one run that starts the processes, ``--repeat`` times in the local Ray of `rlflow server up`
-(flows/kept.py: each run takes the worker processes and task host the run before kept) with the command in its own
-process (``RLFLOW_CONTROLLER=``), and ``--repeat`` times so in a child of the controller fork server of `rlflow
-server up` (flows/forkserver.py: everything imported); the median of each phase is printed with its share of the
-median wall time, with the CPU seconds the machine was busy (run it on an otherwise idle machine), and the ratios
+(flows/plumbing/kept.py: each run takes the worker processes and task host the run before kept) with the command in its
+own process (``RLFLOW_CONTROLLER=``), and ``--repeat`` times so in a child of the controller fork server of `rlflow
+server up` (flows/plumbing/forkserver.py: everything imported); the median of each phase is printed with its share of
+the median wall time, with the CPU seconds the machine was busy (run it on an otherwise idle machine), and the ratios
 to the baseline. ``--source DIR`` runs the `rlflow` of another checkout of the code (e.g. a `git
 worktree` of an older commit) with this environment, for a before/after in one sitting: a checkout without the
 startup metrics shows its wall time only. The CPU's capability is printed beside the figures (they depend on it).
@@ -15,8 +16,8 @@ startup metrics shows its wall time only. The CPU's capability is printed beside
     .venv/bin/python bench/startup.py [--jobs sft,grpo] [--repeat 3] [--source DIR]
 
 ``--in-process``: the runs of a process whose Ray outlives them (a notebook, a sweep, the tests), one after another
-in this process, every other one after ``flows.groups.end_kept_groups()``: it prints, for the runs that built their
-workers in the processes the run before kept and for those that started new ones, the median wall time, the
+in this process, every other one after ``flows.controller.groups.end_kept_groups()``: it prints, for the runs that built
+their workers in the processes the run before kept and for those that started new ones, the median wall time, the
 ``worker_groups`` phase and the CPU seconds the whole process tree used, and their ratios (kept / new).
 """
 
@@ -36,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flows.services import free_port  # noqa: E402 (after ROOT joins the path)
+from flows.ops.services import free_port  # noqa: E402 (after ROOT joins the path)
 
 JOBS = {
     "sft": ["sft", "--config", "demo-sft", "trainer.total_steps=2"],
@@ -119,9 +120,9 @@ def tree_cpu_s() -> float:
 
 def run_in_process(job: str, runs_dir: Path, end_kept_first: bool) -> dict[str, float]:
     from flows.config import load_config
-    from flows.groups import end_kept_groups, ray_task_runner
+    from flows.controller.groups import end_kept_groups, ray_task_runner
+    from flows.controller.startup import mark_flow_called
     from flows.launch import get_flow
-    from flows.startup import mark_flow_called
 
     if end_kept_first:
         end_kept_groups()
@@ -164,8 +165,9 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="runs in this process: kept vs new workers")
     args = parser.parse_args()
 
-    from flows.preflight import apply_service_env
-    from flows.services import CONTROLLER, LOCAL_RAY, ServiceConfig, http_ok, start_services, stop_services
+    from flows.ops.preflight import apply_service_env
+    from flows.ops.services import CONTROLLER, LOCAL_RAY, ServiceConfig, start_services, stop_services
+    from flows.plumbing.servers import http_ok
 
     print(f"CPU: {cpu_description()}")
     source = args.source.resolve()
@@ -181,7 +183,7 @@ def main() -> None:
             if args.in_process:
                 import ray
 
-                from flows.groups import ray_settings
+                from flows.controller.groups import ray_settings
 
                 _, init_kwargs = ray_settings(None, None)
                 ray.init(address="local", **init_kwargs)
@@ -222,7 +224,7 @@ def report(job: str, results: list[dict[str, float]], source: Path, where: str) 
     print("  walls: " + ", ".join(f"{r['wall']:.1f}" for r in results) + f"; machine CPU {cpu:.1f} s")
     names = [k for k in results[0] if k not in ("wall", "cpu")]
     if not names:
-        print("  (no timing_s/startup metrics: code from before flows/startup.py)")
+        print("  (no timing_s/startup metrics: code from before flows/controller/startup.py)")
         return
     medians = {name: statistics.median(r.get(name, 0.0) for r in results) for name in names}
     medians["shutdown and the rest"] = max(0.0, wall - sum(medians.values()))

@@ -142,12 +142,12 @@ def trl_spec(config) -> dict:
 # ---------------------------------------------------------------------------------------------- services, SFT model
 def ensure_services() -> bool:
     """Point this process (and so the children) at running servers; start them if none answer. True if started."""
-    from flows.preflight import use_running_services
+    from flows.ops.preflight import use_running_services
 
     use_running_services()
     if os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI"):
         return False
-    run_child([PYTHON, "-m", "flows.cli", "server", "up"], CACHE / "logs" / "server-up.log")
+    run_child([PYTHON, "-m", "flows.ops.cli", "server", "up"], CACHE / "logs" / "server-up.log")
     use_running_services()
     print("started the Prefect and MLflow servers (`rlflow server up`); they are stopped again at the end", flush=True)
     return True
@@ -269,7 +269,7 @@ def ensure_sft_model(sft_steps: int) -> tuple[str, float]:
             [
                 PYTHON,
                 "-m",
-                "flows.cli",
+                "flows.ops.cli",
                 "train",
                 "sft",
                 "--config",
@@ -300,7 +300,7 @@ def run_rlflow(preset: str, config, samples_per_step: int, tag: str, overrides: 
         [
             PYTHON,
             "-m",
-            "flows.cli",
+            "flows.ops.cli",
             "train",
             "grpo",
             "--config",
@@ -493,7 +493,7 @@ def main() -> None:
                 print(f"{results[name][-1]['wall']:.0f} s", flush=True)
     finally:
         if started_services:
-            subprocess.run([PYTHON, "-m", "flows.cli", "server", "down"], stdout=subprocess.DEVNULL, check=False)
+            subprocess.run([PYTHON, "-m", "flows.ops.cli", "server", "down"], stdout=subprocess.DEVNULL, check=False)
 
     print(
         f"\nGRPO (configs/{preset}.yaml), {args.steps} steps x {samples} samples ({config.data.train_batch_size} "

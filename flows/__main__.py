@@ -1,5 +1,5 @@
 """``python -m flows ...`` and the `rlflow` script: the command runs in a child of the controller fork server when
-one is up and takes it (flows/forkserver.py), else in this process (flows/cli.py)."""
+one is up and takes it (flows/plumbing/forkserver.py), else in this process (flows/ops/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import signal
 import sys
 from typing import NoReturn
 
-from flows.forkserver import OWN_PROCESS_COMMANDS, run_forked
+from flows.plumbing.forkserver import OWN_PROCESS_COMMANDS, run_forked
 
 
 def main() -> NoReturn:
     code = None if sys.argv[1:2] and sys.argv[1] in OWN_PROCESS_COMMANDS else run_forked(sys.argv)
     if code is None:
-        from flows.cli import run_command
+        from flows.ops.cli import run_command
 
         run_command()  # ends the process
     sys.stdout.flush()

@@ -18,9 +18,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RLConfig
-from flows.groups import ray_task_runner
-from flows.lineage import flow_run_name
-from flows.run_start import start_run
+from flows.controller.groups import ray_task_runner
+from flows.controller.run_start import start_run
+from flows.lineages.lineage import flow_run_name
 from flows.stages import (
     compute_advantage,
     compute_log_prob,

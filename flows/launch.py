@@ -1,8 +1,8 @@
-"""Run a training flow by its algorithm's name: what ``rlflow train`` and the demo (``flows/demo.py``) call."""
+"""Run a training flow by its algorithm's name: what ``rlflow train`` and the demo (``flows/ops/demo.py``) call."""
 
 from __future__ import annotations
 
-from flows.startup import mark_flow_called
+from flows.controller.startup import mark_flow_called
 from rlworkers.process_start import collector_off_while_importing
 
 ALGORITHMS = ("sft", "grpo", "ppo", "online_dpo")
@@ -31,5 +31,5 @@ def get_flow(algorithm: str):
 def run_training(algorithm: str, config, return_state: bool = False):
     """Run one training flow; it starts Ray as its config asks (trainer.ray_address, trainer.ray_num_cpus)."""
     flow_fn = get_flow(algorithm)
-    mark_flow_called()  # the end of the start-up's first phase (flows/startup.py)
+    mark_flow_called()  # the end of the start-up's first phase (flows/controller/startup.py)
     return flow_fn(config=config, return_state=return_state)

@@ -11,8 +11,8 @@ Retry policy, per stage:
 - pure or idempotent stages (reward, log-probs, values, advantages, validation, checkpoint) retry in place, twice,
   unless a worker died or hung (retrying a call on a dead actor cannot succeed);
 - stages that change state (generate consumes RNG; updates change weights) do not retry in place.
-A step that fails because a worker died or hung is redone by the flow's loop: ``flows.recovery.recover`` replaces the
-lost workers and restores the newest checkpoint (``trainer.max_restarts`` times at most).
+A step that fails because a worker died or hung is redone by the flow's loop: ``flows.controller.recovery.recover``
+replaces the lost workers and restores the newest checkpoint (``trainer.max_restarts`` times at most).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from rlworkers.single_controller import WorkerError
 
 def _worker_alive(task, task_run, state) -> bool:
     """Retry in place unless a worker died or hung: a call on a dead actor cannot succeed, and recovery (a
-    restart from the last checkpoint, see ``flows.recovery.recover``) is what follows."""
+    restart from the last checkpoint, see ``flows.controller.recovery.recover``) is what follows."""
     try:
         state.result()
     except WorkerError as error:
@@ -60,7 +60,7 @@ STATEFUL = {**STAGE, "retries": 0}
 
 def task_run_name(stage: str, step: int | str, last: int | None = None) -> str:
     """The name of a stage's task run: ``<stage>-step-<step>``, ``...-to-<last>`` for a block of steps (one name
-    format: ``flows.recovery.failed_stages`` finds a step's failed stages by it)."""
+    format: ``flows.controller.recovery.failed_stages`` finds a step's failed stages by it)."""
     return f"{stage}-step-{step}" + (f"-to-{last}" if last not in (None, step) else "")
 
 
@@ -246,7 +246,7 @@ def save_checkpoint(
         )
     except WorkerError as error:
         if error.actor_died:
-            raise  # a lost or hung worker: the step is redone after a restart (flows.recovery.recover)
+            raise  # a lost or hung worker: the step is redone after a restart (flows.controller.recovery.recover)
         cause = str(error.cause).strip().splitlines()[0] if str(error.cause).strip() else ""
         raise CheckpointSaveError(
             step_dir, previous, f"rank {error.rank} failed in {error.method}: {type(error.cause).__name__}: {cause}"

@@ -69,8 +69,8 @@ def import_module_named(module_name: str) -> ModuleType:
 
 def modules_changed_since_start(since: float | None = None) -> list[str]:
     """The files of the modules this process imported that changed on disk after it started, or after ``since``
-    (a `git pull`, an edit, a package upgraded): a process kept for another run (flows/kept.py, flows/forkserver.py)
-    would run their old code, so it is not reused then."""
+    (a `git pull`, an edit, a package upgraded): a process kept for another run (flows/plumbing/kept.py,
+    flows/plumbing/forkserver.py) would run their old code, so it is not reused then."""
     import psutil
 
     # a start time read from /proc may be off by a second

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.services import LOCAL_RAY_PROCESS_ENV, free_port, local_ray_command
+from flows.ops.services import LOCAL_RAY_PROCESS_ENV, free_port, local_ray_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,8 +86,8 @@ SESSION_SERVICES: dict = {}  # the `services` fixture's, once it started them
 
 @pytest.fixture(scope="module", autouse=True)
 def end_kept_worker_groups():
-    """The worker groups a module's flow runs kept (flows/groups.py) end with the module: a module finds no worker
-    processes of another's (its tests may count them), while the runs of one module reuse each other's. Those of
+    """The worker groups a module's flow runs kept (flows/controller/groups.py) end with the module: a module finds no
+    worker processes of another's (its tests may count them), while the runs of one module reuse each other's. Those of
     this process's flows, and the idle ones the module's `rlflow` commands kept in the session's local Ray."""
     yield
     import subprocess
@@ -95,8 +95,8 @@ def end_kept_worker_groups():
 
     import psutil
 
-    if "flows.groups" in sys.modules:
-        sys.modules["flows.groups"].end_kept_groups()
+    if "flows.controller.groups" in sys.modules:
+        sys.modules["flows.controller.groups"].end_kept_groups()
     ray_pid = SESSION_SERVICES.get("ray_pid")
     if not ray_pid or not psutil.pid_exists(ray_pid):
         return
@@ -104,11 +104,11 @@ def end_kept_worker_groups():
 
     if local_ray_workers(ray_pid):
         script = (
-            "import os, ray\nfrom flows import kept\nkept.use_token_authentication()\n"
+            "import os, ray\nfrom flows.plumbing import kept\nkept.use_token_authentication()\n"
             "ray.init(address=os.environ[kept.LOCAL_RAY_ENV], namespace=kept.NAMESPACE, log_to_driver=False)\n"
             "kept.end_idle()\n"
         )
-        subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120, capture_output=True)
+        subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120, capture_output=True, check=True)
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +123,7 @@ def ray_cluster():
 
     import ray
 
-    from flows import kept
+    from flows.plumbing import kept
 
     started, temp_dir = None, None
     if not ray.is_initialized():
@@ -168,9 +168,9 @@ def ray_cluster():
 def services(tmp_path_factory):
     """Real Prefect and MLflow servers (SQLite, 127.0.0.1, free ports) and the local Ray of `rlflow server up`, for
     the whole session: every `rlflow` process a test starts joins that Ray, as a user's runs do."""
-    from flows import kept
-    from flows.preflight import apply_service_env
-    from flows.services import CONTROLLER, ServiceConfig, start_services, stop_services
+    from flows.ops.preflight import apply_service_env
+    from flows.ops.services import CONTROLLER, ServiceConfig, start_services, stop_services
+    from flows.plumbing import kept
 
     config = ServiceConfig(
         state_dir=tmp_path_factory.mktemp("rlflow-home"),

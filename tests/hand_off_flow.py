@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.task_runner import WarmRayTaskRunner
+from flows.plumbing.task_runner import WarmRayTaskRunner
 
 STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 

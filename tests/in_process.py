@@ -1,5 +1,5 @@
 """Flow runs in the test process, as a notebook or a sweep runs them: the worker processes a run ends with are kept
-for the next run of the process (flows/groups.py), which the CLI's own process cannot do."""
+for the next run of the process (flows/controller/groups.py), which the CLI's own process cannot do."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def train_here(algorithm: str, preset: str, *overrides: str) -> None:
     or the model is under test; `rlflow train` itself is for the runs that are paused, killed or read from the
     terminal)."""
     from flows.config import load_config
-    from flows.groups import ray_task_runner
+    from flows.controller.groups import ray_task_runner
     from flows.launch import get_flow
 
     config = load_config(preset, list(overrides))

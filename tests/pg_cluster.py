@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.services import free_port
+from flows.ops.services import free_port
 
 
 def postgres_bin() -> Path:

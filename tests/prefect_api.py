@@ -9,7 +9,7 @@ import time
 def settled_task_runs(flow_run_id, timeout_s: float = 30.0, quiet_s: float = 1.5) -> list:
     """The task runs of ``flow_run_id`` once the server has recorded what the flow run sent: the same ones, in the
     same states, for ``quiet_s``. The server writes task runs from their state events in batches (at least once a
-    second, see ``flows/services.py``), so the last ones appear a moment after the flow run ends."""
+    second, see ``flows/ops/services.py``), so the last ones appear a moment after the flow run ends."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 

@@ -1,7 +1,7 @@
 """`rlflow ...` as a user types it (``python -m flows`` is the `rlflow` script): from the project root, with a wide
 terminal (rich tables keep whole lines), in a child of the session's controller fork server once it answers
-(flows/forkserver.py; until then in a process of its own); and the worker processes such commands keep in a local
-Ray."""
+(flows/plumbing/forkserver.py; until then in a process of its own); and the worker processes such commands keep in a
+local Ray."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def wait_for_controller(services: dict, timeout_s: float = 300) -> None:
     the code it imported): the next command runs in its child."""
     import time
 
-    from flows.forkserver import CONTROLLER_ENV
-    from flows.services import http_ok
+    from flows.plumbing.forkserver import CONTROLLER_ENV
+    from flows.plumbing.servers import http_ok
 
     deadline = time.monotonic() + timeout_s
     while not http_ok(f"unix://{services[CONTROLLER_ENV]}", timeout=1.0):

@@ -98,10 +98,10 @@ def test_cpu_by_process_tells_rlflow_s_processes_apart():
     assert kind("ray::TaskHost", "ray::TaskHost") == "task host and other Ray tasks"
     assert kind("ray::ActorRolloutRefWorker.generate_sequences", "ray::ActorRollo") == "Ray worker actors (rlworkers)"
     assert kind("ray::IDLE", "ray::IDLE") is None  # not yet known: asked again at the next sample
-    assert kind("/x/.venv/bin/python -m flows.cli train grpo --config demo", "python") == "rlflow CLI (controller)"
+    assert kind("/x/.venv/bin/python -m flows.ops.cli train grpo --config demo", "python") == "rlflow CLI (controller)"
     assert kind("/x/.venv/bin/python -m flows train grpo --config demo", "python") == "rlflow CLI (controller)"
     assert kind("rlflow train grpo --config demo", "python") == "rlflow CLI (controller)"  # forked, named so
-    assert kind("/x/.venv/bin/python /x/flows/warm_controller.py /x/.rlflow/controller.sock", "python") == (
+    assert kind("/x/.venv/bin/python /x/flows/ops/warm_controller.py /x/.rlflow/controller.sock", "python") == (
         "controller fork server"
     )
     assert kind("/x/.venv/bin/python -m prefect server start --host 127.0.0.1", "python") == "Prefect server"
@@ -121,7 +121,7 @@ def test_suite_by_test_gives_a_process_to_the_test_its_pytest_process_ran_and_sh
     ]
     cli, worker, ray = "rlflow CLI (controller)", "Ray worker actors (rlworkers)", "Ray's own processes"
     processes = [
-        {"pid": 11, "ppid": 10, "start": 120.0, "cpu_s": 8.0, "kind": cli, "cmdline": "python -m flows.cli train"},
+        {"pid": 11, "ppid": 10, "start": 120.0, "cpu_s": 8.0, "kind": cli, "cmdline": "python -m flows.ops.cli train"},
         {"pid": 12, "ppid": 11, "start": 125.0, "cpu_s": 6.0, "kind": worker, "cmdline": "ray::ActorRolloutRefWorker"},
         {"pid": 21, "ppid": 20, "start": 1.0, "cpu_s": 1.0, "kind": ray, "cmdline": "ray start --head --block"},
         {"pid": 22, "ppid": 21, "start": 50.0, "cpu_s": 4.0, "kind": worker, "cmdline": "ray::ActorRolloutRefWorker"},

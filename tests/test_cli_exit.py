@@ -1,4 +1,4 @@
-"""`rlflow` ends without Python's tear-down (flows.cli.run_command), but only after what Python's exit runs first:
+"""`rlflow` ends without Python's tear-down (flows.ops.cli.run_command), but only after what Python's exit runs first:
 the threads that are not daemons, the exit handlers, then the streams' flush; with the command's own exit code."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # without flushing (stdout is a pipe: block-buffered, lost unless the streams are flushed before the process ends)
 PROGRAM = """
 import atexit, sys, threading, time
-from flows.cli import run_command
+from flows.ops.cli import run_command
 atexit.register(lambda: print("exit handler"))
 threading.Thread(target=lambda: (time.sleep(2), print("thread done"))).start()
 sys.argv = ["rlflow", *sys.argv[1:]]

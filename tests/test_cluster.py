@@ -33,7 +33,7 @@ from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow_in_background
 from safetensors.torch import load_file
 
-from flows.services import free_port
+from flows.ops.services import free_port
 from rlworkers.models.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from flows.config import ConfigError, apply_overrides, flatten, load_config, resolve_preset
-from flows.rows import dataset_rows
-from flows.runtime import Run
+from flows.controller.rows import dataset_rows
+from flows.controller.runtime import Run
 
 
 def test_preset_and_overrides():

@@ -30,7 +30,7 @@ def test_entrypoints_and_parameters_are_valid():
         flow_fn = getattr(importlib.import_module(module), function)
         assert flow_fn.name == function
         validate_config(deployment["parameters"]["config"])
-        # no deployment concurrency limit: a pause releases it and crashes the paused run (flows/run_lock.py)
+        # no deployment concurrency limit: a pause releases it and crashes the paused run (flows/lineages/run_lock.py)
         assert "concurrency_limit" not in deployment
         names.append(deployment["name"])
     assert {"nightly-grpo", "weekly-sft", "agent-sft", "agent-nightly"} <= set(names)

@@ -1,4 +1,4 @@
-"""The promotion gate's logic (flows/evaluation.py) on per-example results built here: it does not promote on
+"""The promotion gate's logic (flows/lineages/evaluation.py) on per-example results built here: it does not promote on
 noise, promotes a clear improvement, rejects reward hacking, never walks down from the lineage's best, and never
 pairs results made on other examples or settings; what its comparison table says it can detect is what a simulation
 of the gate detects; results it cannot compare (no examples, NaN) get a decision, never an exception. The gate
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from flows.config import ConfigError, load_config
-from flows.evaluation import (
+from flows.controller.rows import chat_template_kwargs
+from flows.lineages.evaluation import (
     EvalResults,
     EvalSet,
     compare,
@@ -28,7 +29,7 @@ from flows.evaluation import (
     resolve_sets,
     results_from_table,
 )
-from flows.versions import version_results
+from flows.lineages.versions import version_results
 
 GATE = {"promote_if": "better", "confidence": 0.95, "margin": 0.02, "hacking_threshold": 0.02}
 
@@ -216,7 +217,7 @@ def test_every_setting_that_changes_the_draws_changes_the_fingerprint():
     def digest(*overrides, sets="[{name: heldout, scorer: exact, decoding: sampled, samples: 4}]"):
         config = load_config("demo", [f"eval.sets={sets}", *overrides])
         rows = [{"prompt": "1+1=", "answer": "2"}]
-        return resolve_sets(config, rows, lambda files: rows)[0].fingerprint
+        return resolve_sets(config, rows, lambda files: rows, chat_template_kwargs(config))[0].fingerprint
 
     sampled = digest()
     assert sampled == digest()
@@ -368,8 +369,8 @@ def test_the_best_versions_margin_check_asks_for_evidence():
 def test_the_demo_reports_the_gates_paired_test_of_final_against_start(tmp_path):
     """`rlflow demo` prints, per phase, the final model against its start model on the same held-out examples: the
     difference, its interval, the examples up and down and the exact test (what the promotion gate would say)."""
-    from flows.demo import paired_test
-    from flows.evaluation import EvalResults, write_results
+    from flows.lineages.evaluation import EvalResults, write_results
+    from flows.ops.demo import paired_test
 
     config = load_config("demo", [f"trainer.runs_dir={tmp_path}", "trainer.run_name=phase"])
     root = f"{tmp_path}/phase"
@@ -384,8 +385,8 @@ def test_the_demo_reports_the_gates_paired_test_of_final_against_start(tmp_path)
 
 
 def test_the_environment_demo_counts_answers_right_at_the_first_try_and_after_feedback(tmp_path):
-    from flows.demo import tries
-    from flows.evaluation import EvalResults, write_results
+    from flows.lineages.evaluation import EvalResults, write_results
+    from flows.ops.demo import tries
 
     config = load_config("agent-env", [f"trainer.runs_dir={tmp_path}", "trainer.run_name=env"])
     for label, scores in (("start", [1.0] * 3 + [0.0] * 7), ("final", [1.0] * 5 + [0.5, 1 / 3] + [0.0] * 3)):
@@ -399,8 +400,8 @@ def test_the_environment_demo_counts_answers_right_at_the_first_try_and_after_fe
 
 def test_clipped_responses_are_blamed_on_the_limit_only_when_a_reference_answer_does_not_fit():
     """The demo's validation rows: answers of 1-3 digits, each 2-4 tokens with the end of sequence; a model that has
-    not learned to end them is not a limit to raise (flows/runtime.py's warning)."""
-    from flows.run_evaluation import reference_answers_fit
+    not learned to end them is not a limit to raise (flows/controller/runtime.py's warning)."""
+    from flows.controller.run_evaluation import reference_answers_fit
     from rlworkers.data.synthetic import addition_rows
     from rlworkers.models.tiny import build_char_tokenizer
 
@@ -416,12 +417,12 @@ def test_clipped_responses_are_blamed_on_the_limit_only_when_a_reference_answer_
 
 
 def test_most_responses_cut_warn_with_the_fix_unless_every_reference_answer_fits():
-    """What a run says at a training step or a validation (flows/runtime.py): nothing at half the responses cut or
-    fewer; a WARNING naming the setting to raise when an answer may not fit; only INFO when every one does (the
+    """What a run says at a training step or a validation (flows/controller/runtime.py): nothing at half the responses
+    cut or fewer; a WARNING naming the setting to raise when an answer may not fit; only INFO when every one does (the
     demo's untrained model at its first steps: `make demo` shows no warning of its own)."""
     import logging
 
-    from flows.run_state import clipped_responses_note
+    from flows.controller.run_state import clipped_responses_note
 
     assert clipped_responses_note("step 1", 0.5, 4, references_fit=False) is None
     level, message = clipped_responses_note("step 1", 0.59, 4, references_fit=False)

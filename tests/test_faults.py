@@ -20,9 +20,9 @@ import torch
 from faults import alive, cpu_hogs
 
 from flows.config import ConfigError
-from flows.lineage import ModelReferenceError, RestartBudgetExhausted, RunAlreadyComplete
-from flows.recovery import FaultBudgetExhausted, StepFailed
-from flows.services import ServiceError
+from flows.controller.recovery import FaultBudgetExhausted, StepFailed
+from flows.lineages.lineage import ModelReferenceError, RestartBudgetExhausted, RunAlreadyComplete
+from flows.plumbing.servers import ServiceError
 from rlworkers.checkpoint import CorruptCheckpointError
 from rlworkers.single_controller import (
     Dispatch,
@@ -247,7 +247,7 @@ def test_a_collective_with_a_hung_peer_fails_after_its_timeout(peers):  # last: 
 
 def test_a_checkpoint_of_another_run_shape_is_refused_before_workers_start():
     from flows.config import load_config
-    from flows.run_start import CheckpointMismatch, check_checkpoint_fits
+    from flows.controller.run_start import CheckpointMismatch, check_checkpoint_fits
 
     config = load_config("demo", ["trainer.n_workers=2", "model.path=tiny"])
     state = {"algorithm": "grpo", "world_size": 2, "config": config.model_dump(mode="json")}
@@ -280,7 +280,7 @@ def test_a_model_too_big_for_ddp_on_this_machine_is_refused_with_fsdp2_as_the_fi
     from transformers import LlamaConfig
 
     from flows.config import load_config
-    from flows.run_start import NotEnoughMemory, check_memory_fits
+    from flows.controller.run_start import NotEnoughMemory, check_memory_fits
 
     shape = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32}
     LlamaConfig(**shape, num_key_value_heads=4, vocab_size=32000).save_pretrained(tmp_path)  # TinyLlama's shape
@@ -306,7 +306,7 @@ def test_only_ray_processes_left_by_a_dead_ray_are_reaped():
     """``ray::`` processes outside any raylet (agents a SIGKILLed local Ray left behind, and what they forked) are
     ended when a run starts, all in one pass; those under a live raylet, a Ray worker and the process it forked
     (which carries the worker's ``ray::`` name), are not."""
-    from flows.groups import reap_orphaned_ray_agents
+    from flows.controller.groups import reap_orphaned_ray_agents
 
     def chain(*names: str) -> list[psutil.Process]:
         """A process per name, each the parent of the next (names set in /proc/self/comm, as Ray's are)."""
@@ -340,8 +340,8 @@ def test_a_stage_cut_twice_in_a_row_at_the_same_step_fails_the_run_naming_the_se
     the same step is not retried: the run fails naming the stage, how long it ran and the settings to raise."""
     from types import SimpleNamespace
 
-    from flows.recovery import recover
-    from flows.run_state import RunState
+    from flows.controller.recovery import recover
+    from flows.controller.run_state import RunState
 
     trainer = SimpleNamespace(stage_timeout_s=650.0, stage_timeout_s_per_sample=0.5, max_restarts=0, run_name="r")
     group = SimpleNamespace(unresponsive_ranks=lambda: [0])

@@ -31,13 +31,13 @@ from prefect_api import settled_task_runs
 from safetensors.torch import load_file
 
 from flows.config import ConfigError, load_config, runs_root
-from flows.groups import end_kept_groups, ray_task_runner
+from flows.controller.groups import end_kept_groups, ray_task_runner
+from flows.controller.run_checkpoints import RUN_FIELDS
+from flows.controller.run_state import TrainState
 from flows.grpo import grpo
-from flows.lineage import read_result
+from flows.lineages.lineage import read_result
 from flows.online_dpo import online_dpo
 from flows.ppo import ppo
-from flows.run_checkpoints import RUN_FIELDS
-from flows.run_state import TrainState
 from flows.sft import sft
 from rlworkers.checkpoint import list_checkpoints, read_json
 from rlworkers.models.tiny import ensure_tiny_model
@@ -164,7 +164,9 @@ def test_grpo_flow_end_to_end(env):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/score/mean")] == [0, 2, 3]
     assert run.data.params["actor.optim.lr"] == "0.0001" and run.data.params["rollout.n"] == "4"
     assert run.data.params["precision.autocast"] == "none"  # the demo computes in float32 (tests/test_precision.py)
-    startup = {k for k in run.data.metrics if k.startswith("timing_s/startup/")}  # flows/startup.py, at step 0
+    startup = {
+        k for k in run.data.metrics if k.startswith("timing_s/startup/")
+    }  # flows/controller/startup.py, at step 0
     assert {f"timing_s/startup/{p}" for p in ("imports", "ray", "worker_groups", "validate_start")} <= startup
     assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/startup/worker_groups")] == [0]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/publish")] == [3]
@@ -704,7 +706,7 @@ def test_runs_command_lists_runs_with_links(services):
 @flow(name="progress-updates", persist_result=False)
 def progress_updates(name: str, total: int, updates: list[tuple[int, int | None]]) -> int:
     """Send ``updates`` (step, restarts) to a new progress artifact at full speed; how many requests went out."""
-    from flows.tracking import ProgressArtifact
+    from flows.plumbing.tracking import ProgressArtifact
 
     progress = ProgressArtifact(name, total)
     count, submit = [0], progress._sending.submit
@@ -718,7 +720,7 @@ def progress_updates(name: str, total: int, updates: list[tuple[int, int | None]
 def test_the_progress_artifact_is_sent_at_most_once_a_second_but_always_its_last_step(services):
     from prefect.artifacts import Artifact
 
-    from flows.tracking import artifact_key
+    from flows.plumbing.tracking import artifact_key
 
     name = f"progress-{uuid.uuid4().hex[:6]}"
     assert progress_updates(name, 100, [(step, None) for step in range(1, 51)]) <= 3  # first, maybe another, close
@@ -733,7 +735,7 @@ def test_the_progress_artifact_is_sent_at_most_once_a_second_but_always_its_last
 def test_metrics_logged_without_waiting_go_in_few_requests_and_all_arrive(services, monkeypatch):
     from mlflow.utils import rest_utils
 
-    from flows.tracking import Tracker
+    from flows.plumbing.tracking import Tracker
 
     log_batches = []
     http_request = rest_utils.http_request

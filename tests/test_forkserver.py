@@ -1,6 +1,6 @@
-"""The controller fork server (flows/forkserver.py, flows/warm_controller.py), started as `rlflow server up` starts
-it but on its own: a command it takes runs in its forked child, with its exit code, its streams and its name; one
-whose environment differs in what imports read, or that comes after the server's code changed on disk, runs in its
+"""The controller fork server (flows/plumbing/forkserver.py, flows/ops/warm_controller.py), started as `rlflow server
+up` starts it but on its own: a command it takes runs in its forked child, with its exit code, its streams and its name;
+one whose environment differs in what imports read, or that comes after the server's code changed on disk, runs in its
 own process as without a server, and the server starts again with the code as it is now. (Runs through it, killed
 ones included: tests/test_local_ray.py and every `rlflow` command of the suite, tests/rlflow_cli.py.)"""
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from flows import forkserver, warm_controller
-from flows.services import http_ok
+from flows.ops import warm_controller
+from flows.plumbing import forkserver
+from flows.plumbing.servers import http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +113,25 @@ def test_after_its_code_changed_the_server_refuses_then_starts_again_with_the_ne
     assert done.returncode == 2, done.stderr[-2000:]
     said = log_lines_since(log, offset)
     assert "refused" not in said and "`train no-such-algorithm`" in said, said
+
+
+def test_a_server_that_closes_before_taking_the_command_lets_the_command_run_itself(tmp_path, monkeypatch):
+    """A server that restarts (the code changed) closes its socket with connections not yet taken: a command that
+    connected then must run in its own process (``run_forked`` returns None), not fail on the broken pipe (two
+    commands started at once, one taken, one in the socket's backlog, failed so)."""
+    import socket
+
+    path = tmp_path / "controller.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    monkeypatch.setenv(forkserver.CONTROLLER_ENV, str(path))
+    real_start = forkserver.process_start
+
+    def server_goes_away_after_the_connect():  # called while the request is built: connected, not yet sent
+        listener.close()
+        return real_start()
+
+    monkeypatch.setattr(forkserver, "process_start", server_goes_away_after_the_connect)
+    assert forkserver.socket_path() == path
+    assert forkserver.run_forked([sys.executable, "train", "--help"]) is None

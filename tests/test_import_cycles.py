@@ -1,8 +1,8 @@
 """No import cycles between the packages of rlworkers, nor between the modules of flows, and rlworkers never imports
 flows (read from the source, nothing is imported; imports inside functions count too).
 
-A unit is a top-level module or subpackage (``rlworkers.data``, ``rlworkers.storage``, ``flows.runtime``...); a
-cycle is two units that import each other, directly or through others.
+A unit is a top-level module or subpackage (``rlworkers.data``, ``rlworkers.storage``, ``flows.controller.runtime``...);
+a cycle is two units that import each other, directly or through others.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ KNOWN_CYCLES: list[set[str]] = []
 
 
 def unit_of(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+    """rlworkers' subpackages are its units; every module of flows is one (its rooms are packages of modules)."""
+    return module if module.startswith("flows") else ".".join(module.split(".")[:2])
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -27,14 +33,14 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in PACKAGES:
-                targets = [f"{node.module}.{alias.name}" for alias in node.names]  # from flows import lineage
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [node.module]
+                # `from flows.lineages import lineage` imports the module flows.lineages.lineage
+                named = [f"{node.module}.{alias.name}" for alias in node.names]
+                targets = [name if is_module(name) else node.module for name in named]
             else:
                 continue
             for target in targets:
-                if target.startswith(tuple(f"{p}." for p in PACKAGES)) and unit_of(target) != source:
+                if target.startswith(PACKAGES) and unit_of(target) != source:
                     graph.setdefault(source, set()).add(unit_of(target))
     return graph
 
@@ -70,7 +76,9 @@ def test_cycle_finder_by_hand():
 def test_rlworkers_and_flows_have_no_import_cycles():
     graph = import_graph()
     assert "rlworkers.data" in graph["rlworkers.workers"]  # the graph is read: the rollout uses a data helper
-    assert "flows.run_checkpoints" in graph["flows.runtime"]  # ... and `from flows import run_checkpoints` counts
+    assert (
+        "flows.controller.run_checkpoints" in graph["flows.controller.runtime"]
+    )  # ... and `from flows.controller import run_checkpoints` counts
     unexpected = [group for group in cycles(graph) if group not in KNOWN_CYCLES]
     assert not unexpected, f"import cycles between {unexpected}: move the shared helper into the lower module"
 
@@ -82,9 +90,9 @@ def test_rlworkers_never_imports_flows():
 
 
 def test_the_loops_collaborators_take_a_typed_run_state_and_never_reach_the_loop():
-    """flows/runtime.py's ``Run`` (the loop) calls checkpoints, recovery, evaluation, publishing and promotion with
-    its state: each declares that parameter as ``RunState`` (flows/run_state.py, which imports none of them), so no
-    import cycle hides behind an untyped ``run``."""
+    """flows/controller/runtime.py's ``Run`` (the loop) calls checkpoints, recovery, evaluation, publishing and
+    promotion with its state: each declares that parameter as ``RunState`` (flows/controller/run_state.py, which imports
+    none of them), so no import cycle hides behind an untyped ``run``."""
     untyped = [
         f"{file.relative_to(ROOT)}:{node.lineno} {node.name}"
         for file in (ROOT / "flows").rglob("*.py")
@@ -95,16 +103,21 @@ def test_the_loops_collaborators_take_a_typed_run_state_and_never_reach_the_loop
     ]
     assert not untyped, f"untyped `run` parameters: {untyped}"
     graph = import_graph()
-    collaborators = ["flows.run_checkpoints", "flows.recovery", "flows.run_evaluation", "flows.run_publish"]
-    for unit in [*collaborators, "flows.promotion", "flows.run_state"]:
-        assert "flows.runtime" not in reachable(graph, unit), unit
-    assert set(collaborators) <= graph["flows.runtime"]  # the graph is read: the loop does call them
+    collaborators = [
+        "flows.controller.run_checkpoints",
+        "flows.controller.recovery",
+        "flows.controller.run_evaluation",
+        "flows.controller.run_publish",
+    ]
+    for unit in [*collaborators, "flows.lineages.promotion", "flows.controller.run_state"]:
+        assert "flows.controller.runtime" not in reachable(graph, unit), unit
+    assert set(collaborators) <= graph["flows.controller.runtime"]  # the graph is read: the loop does call them
 
 
 def test_a_runs_state_is_changed_only_by_its_owner():
-    """Outside flows/run_state.py and flows/runtime.py nothing assigns a field of a run (``run.x = ...``,
-    ``run.x[k] = ...``) or changes one in place (``run.faults.append(...)``): the collaborators ask the run, through
-    its methods (``rewind``, ``note_fault``, ``checkpointed`` ...)."""
+    """Outside flows/controller/run_state.py and flows/controller/runtime.py nothing assigns a field of a run (``run.x =
+    ...``, ``run.x[k] = ...``) or changes one in place (``run.faults.append(...)``): the collaborators ask the run,
+    through its methods (``rewind``, ``note_fault``, ``checkpointed`` ...)."""
     changes = []
     mutators = {"append", "extend", "clear", "pop", "update", "insert", "remove", "setdefault"}
     reporters = {"progress", "terminal", "tracker"}  # objects the run holds, with methods of their own (update: a bar)
@@ -129,3 +142,49 @@ def test_a_runs_state_is_changed_only_by_its_owner():
                 ):
                     changes.append(f"{file.relative_to(ROOT)}:{node.lineno} run.{target.attr}")
     assert not changes, f"a run's state changed outside its owner: {changes}"
+
+
+# flows' rooms, from the top down: a module imports its own room's modules and those of the rooms below, never above
+LAYERS = [
+    ("the entry point", ["flows.__main__"]),
+    ("operations", ["flows.ops"]),
+    ("the algorithms' flows", ["flows.sft", "flows.grpo", "flows.ppo", "flows.online_dpo", "flows.launch"]),
+    ("the controller's runtime", ["flows.controller"]),
+    ("lineages", ["flows.lineages"]),
+    ("plumbing", ["flows.plumbing"]),
+    ("the configuration and the stages", ["flows.config", "flows.stages", "flows"]),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the room ``module`` is in (its longest prefix there)."""
+    best = max(
+        ((len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+         if module == prefix or module.startswith(prefix + ".")),
+        default=None,
+    )  # fmt: skip
+    assert best is not None, f"{module} is in no room of LAYERS: add it to one"
+    return best[1]
+
+
+def test_flows_rooms_import_only_downward():
+    """The layering of flows/ (the README's layout): operations (the CLI, local servers, deploy, demo) are imported by
+    nothing but the entry point; the flows call the controller's runtime, which uses lineages and the plumbing; the
+    plumbing (task runner, Prefect internals, kept processes, servers, tracking) knows no RL; the configuration and the
+    stages import no other module of flows."""
+    graph = import_graph()
+    assert "flows.controller.groups" in graph["flows.grpo"]  # the graph is read, module by module
+    upward = [
+        f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for source, targets in graph.items()
+        if source.startswith("flows")
+        for target in targets
+        if target.startswith("flows") and layer_of(target) < layer_of(source)
+    ]
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_the_layering_check_sees_an_upward_import():
+    assert layer_of("flows.controller.runtime") < layer_of("flows.plumbing.kept")
+    assert layer_of("flows.grpo") < layer_of("flows.controller.run_start") < layer_of("flows.config")
+    assert layer_of("flows.ops.cli") == 1 and layer_of("flows") == len(LAYERS) - 1

@@ -19,8 +19,8 @@ from rlflow_cli import rlflow
 from safetensors.torch import load_file
 
 from flows.config import load_config
-from flows.groups import ray_task_runner
-from flows.lineage import RunRecord, read_result
+from flows.controller.groups import ray_task_runner
+from flows.lineages.lineage import RunRecord, read_result
 from flows.sft import sft
 from rlworkers.models.tiny import ensure_tiny_model
 
@@ -158,7 +158,7 @@ def test_crashes_are_counted_from_the_flow_run_state_history(services):
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed, Pending, Running, Scheduled
 
-    from flows.lineage import count_crashes
+    from flows.lineages.lineage import count_crashes
 
     @flow(name="crash-count-probe")
     def probe():
@@ -221,7 +221,7 @@ def test_promote_by_hand_and_rollback_move_the_champion_with_their_reasons(env, 
     """v2 of the fixture's lineage was rejected by the gate: a person promotes it anyway, then rolls back to the
     champion before it; rolling back again goes further back, never forth to v2. Every move is in the history
     `rlflow runs --lineage` prints. (Earlier tests may have moved the champion: the test starts from whatever it is.)"""
-    from flows.versions import champion_history
+    from flows.lineages.versions import champion_history
 
     lineage, _ = lineage_runs
     client = MlflowClient()

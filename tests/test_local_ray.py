@@ -1,6 +1,6 @@
 """Runs of different processes in the local Ray of `rlflow server up` (the session's, tests/conftest.py): each
-`rlflow train` joins it, the next one builds its workers in the processes the one before kept (flows/kept.py) and
-trains exactly as in new ones, unless code they imported changed on disk since; the processes a SIGKILLed run held
+`rlflow train` joins it, the next one builds its workers in the processes the one before kept (flows/plumbing/kept.py)
+and trains exactly as in new ones, unless code they imported changed on disk since; the processes a SIGKILLed run held
 are ended by the registry, with nothing left."""
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def test_the_next_command_trains_in_the_processes_the_last_one_kept_and_a_killed
 JOIN_A_NEW_LOCAL_RAY = """
 import os, signal, socket, subprocess, sys, tempfile, time
 import ray
-from flows import kept
-from flows.services import free_port, local_ray_command
+from flows.plumbing import kept
+from flows.ops.services import free_port, local_ray_command
 
 if sys.argv[1] == "with-token":
     kept.ensure_token()  # what `rlflow server up` does before `ray start`
@@ -100,7 +100,7 @@ try:
         except OSError:
             assert head.poll() is None and time.monotonic() < deadline
             time.sleep(0.25)
-    kept.use_token_authentication()  # a run's join (flows/task_runner.py)
+    kept.use_token_authentication()  # a run's join (flows/plumbing/task_runner.py)
     try:
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         print("joined", ray.cluster_resources()["CPU"], flush=True)
@@ -146,8 +146,8 @@ def test_a_holder_is_its_pid_and_its_start_in_ticks_since_boot_not_the_wall_cloc
     import subprocess
     import sys
 
-    from flows import kept
-    from flows.forkserver import start_ticks
+    from flows.plumbing import kept
+    from flows.plumbing.forkserver import start_ticks
 
     pid, started = kept.holder()
     assert pid == os.getpid() and isinstance(started, int)

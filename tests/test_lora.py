@@ -279,7 +279,7 @@ def lora_grpo_config(env, *extra: str):
 
 
 def run_grpo(config):
-    from flows.groups import ray_task_runner
+    from flows.controller.groups import ray_task_runner
     from flows.grpo import grpo
 
     return grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
@@ -320,7 +320,7 @@ def test_a_lineage_registers_adapters_and_the_next_run_trains_the_champion_furth
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from flows.lineage import RunRecord
+    from flows.lineages.lineage import RunRecord
 
     name = f"lora-lin-{uuid.uuid4().hex[:6]}"
     overrides = (f"trainer.lineage={name}", "trainer.run_name=null", "trainer.log_model=true")
@@ -355,7 +355,7 @@ def test_a_lineage_registers_adapters_and_the_next_run_trains_the_champion_furth
 def test_the_other_flows_train_an_adapter(flow_env, algorithm):
     import uuid
 
-    from flows.groups import ray_task_runner
+    from flows.controller.groups import ray_task_runner
     from flows.online_dpo import online_dpo
     from flows.ppo import ppo
     from flows.sft import sft

@@ -156,7 +156,7 @@ def test_transformers_tables_are_made_once_then_read_from_disk_and_equal_transfo
 
 
 def test_a_trained_model_inherits_its_start_models_license_and_base(tmp_path, tiny_dir):
-    """What flows/run_publish.py writes into a final model's card (MLflow logs the card with the model)."""
+    """What flows/controller/run_publish.py writes into a final model's card (MLflow logs the card with the model)."""
     assert model_card_data("tiny") == model_card_data(f"tiny:{tiny_dir}") == {"license": "apache-2.0"}
     assert model_card_data(tiny_dir) == {"license": "apache-2.0"}  # any folder with a tiny model: its own card
     smollm2 = {"license": "apache-2.0", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}

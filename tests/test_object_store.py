@@ -17,7 +17,7 @@ from faults import TcpProxy
 from safetensors.torch import load
 
 from flows.config import load_config, runs_root
-from flows.services import free_port
+from flows.ops.services import free_port
 from rlworkers.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
@@ -149,7 +149,7 @@ def flows_env(ray_cluster, services, s3, tmp_path_factory):
 
 
 def _run(config):
-    from flows.groups import ray_task_runner
+    from flows.controller.groups import ray_task_runner
     from flows.grpo import grpo
 
     state = grpo.with_options(task_runner=ray_task_runner())(config=config, return_state=True)
@@ -231,7 +231,7 @@ def test_a_runs_dir_that_cannot_be_written_fails_before_anything_starts(flows_en
     # nobody may not be able to read this checkout (a clone in a 0700 folder).
     check = (
         "import os, tempfile; from flows.config import load_config; "
-        "from flows.run_start import check_runs_dir_writable; "
+        "from flows.controller.run_start import check_runs_dir_writable; "
         "check_runs_dir_writable(load_config('demo', [f'trainer.runs_dir={tempfile.mkdtemp()}'])); "
         f"config = load_config('demo', ['trainer.runs_dir={read_only}']); "
         "os.setgid(65534); os.setuid(65534); check_runs_dir_writable(config)"

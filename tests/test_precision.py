@@ -75,9 +75,9 @@ def test_a_presets_autocast_turned_off_on_the_command_line(spelled):
 
 
 def test_the_run_logs_warns_and_records_its_precision(cpu, monkeypatch):
-    """flows.run_start.record_precision: what the actor workers report reaches the log, a warning when bf16 is
-    forced where it is emulated, and the run's params and tags."""
-    from flows import run_start
+    """flows.controller.run_start.record_precision: what the actor workers report reaches the log, a warning when bf16
+    is forced where it is emulated, and the run's params and tags."""
+    from flows.controller import run_start
 
     class Actor:  # the group's ONE_TO_ALL call answers one report per worker
         def __init__(self, model):

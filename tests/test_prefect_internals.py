@@ -1,7 +1,7 @@
-"""The Prefect names flows/task_runner.py needs beyond Prefect's public task-runner contract, read only through
-flows/prefect_internals.py: each one is there, and an upgrade that removes or reshapes one fails ``check()`` naming
-it (shown below against a Prefect monkeypatched so, one name at a time), instead of somewhere inside a training run.
-The pins in pyproject.toml (prefect==3.7.7, prefect-ray==0.6.0) say which versions these were read from.
+"""The Prefect names flows/plumbing/task_runner.py needs beyond Prefect's public task-runner contract, read only through
+flows/plumbing/prefect_internals.py: each one is there, and an upgrade that removes or reshapes one fails ``check()``
+naming it (shown below against a Prefect monkeypatched so, one name at a time), instead of somewhere inside a training
+run. The pins in pyproject.toml (prefect==3.7.7, prefect-ray==0.6.0) say which versions these were read from.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prefect.futures import PrefectTaskRunFuture
 from prefect.task_runners import TaskRunner
 from pydantic import BaseModel
 
-from flows import prefect_internals
+from flows.plumbing import prefect_internals
 
 
 def test_every_name_the_task_runner_reads_is_there():
@@ -79,4 +79,6 @@ def test_run_task_sync_takes_what_the_task_host_passes():
 def test_the_installed_prefect_is_the_one_read(package, pinned):
     from importlib.metadata import version
 
-    assert version(package) == pinned, f"{package} {version(package)}: re-read flows/prefect_internals.py first"
+    assert version(package) == pinned, (
+        f"{package} {version(package)}: re-read flows/plumbing/prefect_internals.py first"
+    )

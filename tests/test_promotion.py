@@ -30,8 +30,8 @@ from in_process import train_here
 from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow, rlflow_in_background
 
-from flows.evaluation import EvalResults
-from flows.versions import champion_history, gate_baselines, version_results
+from flows.lineages.evaluation import EvalResults
+from flows.lineages.versions import champion_history, gate_baselines, version_results
 
 # the module's runs (and the first test, its fixtures' runs) take minutes each; pyproject's 600 s per test was
 # calibrated on a CPU with native bf16 and ran out on an AVX2-only one: 1200 s still ends a hung test

@@ -24,8 +24,8 @@ from faults import TcpProxy, kill_process_groups
 from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow, rlflow_in_background
 
-from flows.lineage import RunRecord, read_result
-from flows.versions import DECISION_TAG, champion_history, moves
+from flows.lineages.lineage import RunRecord, read_result
+from flows.lineages.versions import DECISION_TAG, champion_history, moves
 from rlworkers.models.tiny import ensure_tiny_model
 
 # the module's runs (and the first test, its fixtures' runs) take minutes each; pyproject's 600 s per test was
@@ -138,9 +138,16 @@ def test_a_decision_moves_the_alias_once_and_only_from_the_champion_it_was_made_
     another's)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flows.evaluation import GateDecision
-    from flows.promotion import start_rolled_back
-    from flows.versions import apply_decision, decide, move_champion, promote_by_hand, recorded_decision, rollback
+    from flows.lineages.evaluation import GateDecision
+    from flows.lineages.promotion import start_rolled_back
+    from flows.lineages.versions import (
+        apply_decision,
+        decide,
+        move_champion,
+        promote_by_hand,
+        recorded_decision,
+        rollback,
+    )
 
     client, name = MlflowClient(), f"decisions-{uuid.uuid4().hex[:6]}"
     client.create_registered_model(name)
@@ -184,7 +191,7 @@ def test_a_decision_moves_the_alias_once_and_only_from_the_champion_it_was_made_
 def test_the_next_run_continues_from_the_run_that_finished_last(services):
     """Two runs of a lineage that overlapped (one started first and finished last): the parent of the next run is
     the one that finished last, whose data cursor is the newer one, not the one that started last."""
-    from flows.lineage import lineage_parent
+    from flows.lineages.lineage import lineage_parent
 
     client, lineage = MlflowClient(), f"overlap-{uuid.uuid4().hex[:6]}"
     experiment = client.create_experiment(lineage)

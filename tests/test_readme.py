@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.services import free_port
+from flows.ops.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # starts servers and trains four times: `make test-quick` leaves it out

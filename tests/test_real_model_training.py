@@ -30,7 +30,7 @@ from rlflow_cli import rlflow_in_background
 from safetensors.torch import load_file
 
 from flows.config import load_config, runs_root
-from flows.groups import ray_task_runner
+from flows.controller.groups import ray_task_runner
 from flows.grpo import grpo
 from flows.sft import sft
 from rlworkers.data.batching import prompt_batch, sft_batch

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from flows.config import load_config
-from flows.groups import reward_worker_options
+from flows.controller.groups import reward_worker_options
 from rlworkers.data.batching import compute_position_id_with_mask, prompt_batch
 from rlworkers.models.loading import load_tokenizer
 from rlworkers.models.tiny import CHARACTERS, build_char_tokenizer, ensure_tiny_model

@@ -4,8 +4,8 @@ servers (SQLite), and where the database makes a difference (the heartbeat autom
 of tests/test_topology.py (the worker's own restart and the manual approval on SQLite only, see below).
 
 - two triggers of a lineage deployment, the first paused for manual approval longer than its lock's lease renewal:
-  the second waits for the first (the lineage's lock, flows/run_lock.py), then starts from the first run's approved
-  model and continues its data;
+  the second waits for the first (the lineage's lock, flows/lineages/run_lock.py), then starts from the first run's
+  approved model and continues its data;
 - SIGKILL of the flow-run process mid-run (as the OOM killer would) while the restart automation is disabled (as
   when the server drops its evaluation): the run is marked Crashed, `rlflow worker` starts a new attempt without
   any command, it resumes from the last checkpoint and ends Completed with the same weights as an uninterrupted
@@ -35,7 +35,7 @@ from rlflow_cli import local_ray_workers
 from safetensors.torch import load_file
 
 from flows.config import flatten
-from flows.lineage import RunRecord, read_result
+from flows.lineages.lineage import RunRecord, read_result
 from rlworkers.models.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_a_lineage_trains_one_run_at_a_time_through_a_manual_approval(worker):
     from prefect.client.orchestration import get_client
     from rlflow_cli import rlflow_in_background
 
-    from flows.run_lock import LEASE_S
+    from flows.lineages.run_lock import LEASE_S
 
     lineage = f"sched-{uuid.uuid4().hex[:6]}"
     params = sft_params(worker, lineage=lineage, total_steps=2, save_freq=2, promotion="manual")
@@ -236,7 +236,7 @@ def test_killed_run_restarts_by_itself_and_matches_an_uninterrupted_run(worker):
 
     uid = uuid.uuid4().hex[:6]
     steps = {"total_steps": 40, "save_freq": 10, "log_model": False}
-    # The server may drop the restart automation's evaluation of the crash (flows/deploy.py): here an operator has
+    # The server may drop the restart automation's evaluation of the crash (flows/ops/deploy.py): here an operator has
     # disabled it, and `rlflow worker` must restart the run by itself (the automation's own path is the next test's).
     restart = Automation.read(name="rlflow: restart crashed runs")
     restart.disable()

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.services import ServiceConfig, basic_auth_header, free_port, http_status, start_services, stop_services
+from flows.ops.services import ServiceConfig, free_port, start_services, stop_services
+from flows.plumbing.servers import basic_auth_header, http_status
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -14,18 +14,15 @@ import pytest
 from faults import alive
 from typer.testing import CliRunner
 
-from flows.cli import server_app
-from flows.preflight import apply_service_env, require_mlflow_tracking, require_prefect_api
-from flows.services import (
+from flows.ops.cli import server_app
+from flows.ops.preflight import apply_service_env
+from flows.ops.services import ServiceConfig, _prefect_spec, free_port, service_status, start_services, stop_services
+from flows.plumbing.servers import (
     MLFLOW_TRACKING_URI,
     PREFECT_API_URL,
-    ServiceConfig,
     ServiceError,
-    _prefect_spec,
-    free_port,
-    service_status,
-    start_services,
-    stop_services,
+    require_mlflow_tracking,
+    require_prefect_api,
 )
 
 pytestmark = pytest.mark.slow
@@ -119,7 +116,7 @@ def test_start_writes_state_and_both_health_endpoints_answer(services):
     assert (
         f"export RLFLOW_LOCAL_RAY=127.0.0.1:{config.ray_port}\n" in env_sh and record["ray"]["pid"] == urls["ray_pid"]
     )
-    # the controller fork server (flows/forkserver.py): its socket in the state folder, only for this user
+    # the controller fork server (flows/plumbing/forkserver.py): its socket in the state folder, only for this user
     sock = config.state_dir / "controller.sock"
     assert f"export RLFLOW_CONTROLLER={sock}\n" in env_sh and record["controller"]["pid"] == urls["controller_pid"]
     # Both SQLite backends live in the state folder.

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from rlflow_cli import rlflow, rlflow_in_background
 from safetensors.torch import load_file
 
-from flows.lineage import RunRecord
+from flows.lineages.lineage import RunRecord
 from rlworkers.models.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect_api import settled_task_runs
 
-from flows.task_runner import WarmRayTaskRunner, serialize_context_once
+from flows.plumbing.task_runner import WarmRayTaskRunner, serialize_context_once
 
 pytestmark = pytest.mark.slow  # starts services, trains or installs: `make test-quick` leaves it out
 
@@ -221,7 +221,7 @@ def test_a_handed_off_future_never_asks_the_api_for_its_state(monkeypatch):
     import prefect.futures
     from prefect.states import Pending
 
-    from flows.task_runner import HandedOffFuture, HandOff
+    from flows.plumbing.task_runner import HandedOffFuture, HandOff
 
     def no_api(*args, **kwargs):
         raise AssertionError("a hand-off's state was read from the Prefect API")
@@ -464,7 +464,7 @@ def test_a_ray_client_session_that_fails_to_start_is_tried_again(monkeypatch):
 
     import ray
 
-    from flows import task_runner
+    from flows.plumbing import task_runner
 
     calls, failures = [], iter([True, True, False])
 

@@ -22,14 +22,8 @@ import pytest
 from pg_cluster import private_postgres, query
 from rlflow_cli import rlflow
 
-from flows.services import (
-    ServiceConfig,
-    ServiceError,
-    ensure_postgres_databases,
-    free_port,
-    start_services,
-    stop_services,
-)
+from flows.ops.services import ServiceConfig, ensure_postgres_databases, free_port, start_services, stop_services
+from flows.plumbing.servers import ServiceError
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +157,7 @@ def test_run_lost_with_its_worker_on_postgresql_is_marked_crashed_restarted_and_
     PostgreSQL. (Last in the module: its `rlflow worker` serves the pool the bench above serves with its own.)"""
     from test_schedule import check_run_lost_with_its_worker, deployment_worker
 
-    from flows.preflight import apply_service_env
+    from flows.ops.preflight import apply_service_env
 
     apply_service_env(team_services)  # the test's own API calls too (Prefect's settings refreshed)
     try:

@@ -3,7 +3,7 @@ deploy` and `rlflow train` go on through it. A proxy in front of the session's P
 with 503 instead of relaying it; the client tries again (Prefect's client: 429, 502, 503 and connection errors with
 backoff, ``PREFECT_CLIENT_MAX_RETRIES``) and the command succeeds. (A training run through such a 503:
 tests/test_stop_signals.py, whose uninterrupted run goes through this proxy.) A server that keeps failing ends the
-command after those retries with one line naming the server, its URL and the request (flows.preflight), no
+command after those retries with one line naming the server, its URL and the request (flows.ops.preflight), no
 traceback."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Model cards: the ``README.md`` of a model folder, YAML front matter (license, base model) and a short text, as on
 the Hugging Face hub. The tiny and SmolLM2 folders get one when they are built, and every final model a run saves
-gets one that carries its start model's license and base model on (flows/run_publish.py). MLflow logs the card with
-the model; without one, it looks the local folder up on the model hub and warns that it found no card or license."""
+gets one that carries its start model's license and base model on (flows/controller/run_publish.py). MLflow logs the
+card with the model; without one, it looks the local folder up on the model hub and warns that it found no card or
+license."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ An *adapter folder* is what the actor saves (checkpoints, the final model, a lin
 ``load_model`` loads an adapter folder as one model (base + adapter, merged), so a folder or a
 ``models:/<lineage>@champion`` that holds an adapter works everywhere ``model.path`` is accepted; a LoRA actor
 started from one continues training that adapter. A checkpoint whose base fingerprint differs from the run's base is
-refused before any worker starts (``flows.run_start.check_checkpoint_fits``: ``CheckpointMismatch``). A peft adapter
-from elsewhere (no ``base_model.json``) names its base in peft's ``base_model_name_or_path``, unpinned.
+refused before any worker starts (``flows.controller.run_start.check_checkpoint_fits``: ``CheckpointMismatch``). A peft
+adapter from elsewhere (no ``base_model.json``) names its base in peft's ``base_model_name_or_path``, unpinned.
 """
 
 from __future__ import annotations

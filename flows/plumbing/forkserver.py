@@ -12,7 +12,7 @@ anything on (SIGKILL of its process group, as an operator or the kernel's OOM ki
 and its process group at once, as it would have died with it. A child's process group is its own: what the run
 started (a Ray of its own) goes with it, as it does with a command's process.
 
-The server (flows/warm_controller.py) refuses a command, which then runs in the client's process as it does without
+The server (flows/ops/warm_controller.py) refuses a command, which then runs in the client's process as it does without
 a server, when:
 
 - the client's environment differs from the one the server started with in a variable that something may read
@@ -40,7 +40,7 @@ import socket
 import sys
 from pathlib import Path
 
-CONTROLLER_ENV = "RLFLOW_CONTROLLER"  # the server's socket (env.sh exports it; flows/services.py starts the server)
+CONTROLLER_ENV = "RLFLOW_CONTROLLER"  # the server's socket (env.sh exports it; flows/ops/services.py starts the server)
 SOCKET_NAME = "controller.sock"
 OWN_PROCESS_COMMANDS = ("server", "worker")  # a server that stops the fork server; a Prefect worker that lives long
 _FORWARDED = (
@@ -51,7 +51,7 @@ _FORWARDED = (
 
 def socket_path(environ=os.environ) -> Path | None:
     """Where the fork server of this shell's servers listens: ``$RLFLOW_CONTROLLER``, else in the default state
-    folder (``.rlflow`` in the current directory, or ``$RLFLOW_HOME``; flows/services.py). ``RLFLOW_CONTROLLER=``
+    folder (``.rlflow`` in the current directory, or ``$RLFLOW_HOME``; flows/ops/services.py). ``RLFLOW_CONTROLLER=``
     (set, empty): none, every command runs in its own process."""
     if CONTROLLER_ENV in environ:
         return Path(environ[CONTROLLER_ENV]) if environ[CONTROLLER_ENV] else None
@@ -90,9 +90,12 @@ def run_forked(argv: list[str]) -> int | None:
             _send(child, signum)
 
     before = {sig: signal.signal(sig, pass_on) for sig in _FORWARDED}
-    socket.send_fds(client, [json.dumps(request).encode() + b"\n"], [*streams, me])
+    try:
+        socket.send_fds(client, [json.dumps(request).encode() + b"\n"], [*streams, me])
+        reply = _read_message(files)
+    except (BrokenPipeError, ConnectionResetError):  # it closed before taking the command (it restarts): no child
+        reply = None
     os.close(me)
-    reply = _read_message(files)
     if reply is None or "refused" in reply:
         client.close()
         for sig, handler in before.items():
@@ -138,7 +141,7 @@ def python_identity() -> list:
 
 
 def checkout() -> str:
-    return str(Path(__file__).resolve().parents[1])
+    return str(Path(__file__).resolve().parents[2])
 
 
 def start_ticks(pid: int | str = "self") -> int:

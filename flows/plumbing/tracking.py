@@ -128,7 +128,9 @@ class Tracker:
         with local_dir(model_dir) as folder:  # s3://... runs_dir: a temporary local copy
             model = AutoModelForCausalLM.from_pretrained(folder)
             tokenizer = AutoTokenizer.from_pretrained(folder)
-            readme = Path(folder) / "README.md"  # the model card (flows/run_publish.py), license and base model
+            readme = (
+                Path(folder) / "README.md"
+            )  # the model card (flows/controller/run_publish.py), license and base model
             model_card = ModelCard.load(readme) if readme.is_file() else None
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(

@@ -11,8 +11,8 @@ from datetime import datetime
 from prefect import get_run_logger
 from prefect.exceptions import UnfinishedRun
 
-from flows.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
-from flows.run_state import RunState, TrainState
+from flows.controller.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
+from flows.controller.run_state import RunState, TrainState
 from flows.stages import is_task_run_of_step
 from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
 from rlworkers.single_controller import PlacementError, StageTimeout

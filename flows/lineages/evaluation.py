@@ -42,7 +42,6 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from flows.config import EvalSetConfig, RLConfig, metric_k
-from flows.rows import chat_template_kwargs
 from rlworkers.algorithms.comparison import (
     PairedComparison,
     decide,
@@ -94,16 +93,17 @@ class EvalResults:
 
 
 # ---------------------------------------------------------------------------------------------- sets
-def resolve_sets(config: RLConfig, val_rows: list[dict], load_rows) -> list[EvalSet]:
-    """The run's eval sets; ``load_rows(files)`` reads a set's files (so a bad file fails before workers start)."""
+def resolve_sets(config: RLConfig, val_rows: list[dict], load_rows, template_kwargs: dict) -> list[EvalSet]:
+    """The run's eval sets; ``load_rows(files)`` reads a set's files (so a bad file fails before workers start);
+    ``template_kwargs``: what the run renders prompts with (``flows.controller.rows.chat_template_kwargs``)."""
     if not config.eval.sets:
         rows = val_rows[: config.data.val_batch_size or len(val_rows)]
-        return [EvalSet(IMPLICIT_SET, rows, None, fingerprint(config, rows, config.reward.reward_fn))]
+        return [EvalSet(IMPLICIT_SET, rows, None, fingerprint(config, rows, config.reward.reward_fn, template_kwargs))]
     sets = []
     for spec in config.eval.sets:
         rows = load_rows(spec.files) if spec.files else val_rows
         rows = rows[: spec.max_examples or len(rows)]
-        digest = fingerprint(config, rows, spec.scorer, spec)
+        digest = fingerprint(config, rows, spec.scorer, template_kwargs, spec)
         sets.append(EvalSet(spec.name, rows, spec.scorer, digest, sampling(config, spec), spec.metric))
     return sets
 
@@ -116,8 +116,11 @@ def sampling(config: RLConfig, spec: EvalSetConfig) -> dict:
     return {"do_sample": True, "n": spec.samples, "temperature": temperature, "seed": spec.seed}
 
 
-def fingerprint(config: RLConfig, rows: list[dict], scorer: str, spec: EvalSetConfig | None = None) -> str:
-    """sha256 over what decides a result: the rows, the scorer (and its file's bytes), decoding and lengths."""
+def fingerprint(
+    config: RLConfig, rows: list[dict], scorer: str, template_kwargs: dict, spec: EvalSetConfig | None = None
+) -> str:
+    """sha256 over what decides a result: the rows, the scorer (and its file's bytes), decoding and lengths, and what
+    the prompts are rendered with (``template_kwargs``)."""
     digest = hashlib.sha256()
     digest.update(json.dumps(rows, sort_keys=True, default=str).encode())
     digest.update(scorer.encode())
@@ -130,7 +133,7 @@ def fingerprint(config: RLConfig, rows: list[dict], scorer: str, spec: EvalSetCo
         "response_length": config.rollout.response_length,
         "max_prompt_length": config.data.max_prompt_length,
         "truncation": config.data.truncation,
-        "chat_template_kwargs": chat_template_kwargs(config),
+        "chat_template_kwargs": template_kwargs,
     }
     if config.rollout.multi_turn.enable:  # an agent's results depend on its tools, environment and turns
         settings["multi_turn"] = config.rollout.multi_turn.model_dump()

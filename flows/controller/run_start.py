@@ -12,15 +12,15 @@ import uuid
 import fsspec
 from prefect import get_run_logger
 
-from flows import evaluation, lineage
 from flows.config import RLConfig, flatten, runs_root
-from flows.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
-from flows.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
-from flows.run_checkpoints import checkpoint_root, restore
-from flows.run_lock import one_run_at_a_time
-from flows.runtime import Run, end_status, raise_the_stop_behind
-from flows.startup import StartupClock, run_clock
-from flows.tracking import (
+from flows.controller.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
+from flows.controller.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
+from flows.controller.run_checkpoints import checkpoint_root, restore
+from flows.controller.runtime import Run, end_status, raise_the_stop_behind
+from flows.controller.startup import StartupClock, run_clock
+from flows.lineages import evaluation, lineage
+from flows.lineages.run_lock import one_run_at_a_time
+from flows.plumbing.tracking import (
     ProgressArtifact,
     TerminalProgress,
     Tracker,
@@ -54,7 +54,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         RestartBudgetExhausted: the flow run crashed more than ``trainer.max_crash_restarts`` times.
         ModelReferenceError: ``model.path`` names an MLflow model that does not exist.
     """
-    from flows.preflight import require_mlflow_tracking, require_prefect_api
+    from flows.plumbing.servers import require_mlflow_tracking, require_prefect_api
 
     clock = run_clock()
     config.check_algorithm(algorithm)
@@ -64,7 +64,7 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
         update={"trainer": config.trainer.model_copy(update={"run_name": lineage.run_name(config, algorithm)})}
     )
     check_runs_dir_writable(config)
-    lock = contextlib.ExitStack()  # held until Run.close: one run of a lineage at a time (flows/run_lock.py)
+    lock = contextlib.ExitStack()  # held until Run.close: one run of a lineage at a time (flows/lineages/run_lock.py)
     lock.enter_context(one_run_at_a_time(config.trainer.lineage, config.trainer.run_name, runs_root(config)))
     clock.mark("checks")
     try:
@@ -121,7 +121,10 @@ def _start_holding_the_lock(
     tokenizer = TokenCache(load_tokenizer(model_dir))  # the length check below tokenizes every prompt once
     checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
     train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
-    eval_sets = evaluation.resolve_sets(config, val_rows, lambda files: read_rows(config, files, checked))
+    template_kwargs = chat_template_kwargs(config)
+    eval_sets = evaluation.resolve_sets(
+        config, val_rows, lambda files: read_rows(config, files, checked), template_kwargs
+    )
     check_rows_fit(config, algorithm, tokenizer, model_dir, train_rows, val_rows)
     check_agent_fits(config, tokenizer, model_dir, train_rows, val_rows)
     check_memory_fits(config, roles, model_dir)

@@ -1,7 +1,7 @@
 """A run's state inside its flow: ``RunState``, what one training run holds (built by
-``flows.run_start.start_run``), and ``TrainState``, the controller's part of a checkpoint. The loop that drives them
-is ``flows.runtime.Run``; checkpoints, recovery, evaluation, publishing and promotion take a ``RunState``, and this
-module imports none of them."""
+``flows.controller.run_start.start_run``), and ``TrainState``, the controller's part of a checkpoint. The loop that
+drives them is ``flows.controller.runtime.Run``; checkpoints, recovery, evaluation, publishing and promotion take a
+``RunState``, and this module imports none of them."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from datetime import datetime
 
 from prefect import get_run_logger
 
-from flows import evaluation, lineage
 from flows.config import RLConfig
-from flows.groups import release_group
-from flows.rows import chat_template_kwargs
-from flows.startup import StartupClock
-from flows.tracking import ProgressArtifact, TerminalProgress, Tracker
+from flows.controller.groups import release_group
+from flows.controller.rows import chat_template_kwargs
+from flows.controller.startup import StartupClock
+from flows.lineages import evaluation, lineage
+from flows.plumbing.tracking import ProgressArtifact, TerminalProgress, Tracker
 from rlworkers.data.batching import prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader
 from rlworkers.single_controller.ray import RayWorkerGroup
@@ -46,8 +46,9 @@ class TrainState:
 @dataclass
 class RunState:
     """What one training run holds inside its flow: what ``start_run`` built it from (config, folder, tokenizer,
-    data, eval sets, tracker, worker groups) and its loop's bookkeeping. ``flows.runtime.Run`` is this with the
-    loop; the modules the loop calls (checkpoints, recovery, evaluation, publishing, promotion) take a ``RunState``."""
+    data, eval sets, tracker, worker groups) and its loop's bookkeeping. ``flows.controller.runtime.Run`` is this with
+    the loop; the modules the loop calls (checkpoints, recovery, evaluation, publishing, promotion) take a
+    ``RunState``."""
 
     config: RLConfig
     algorithm: str
@@ -75,7 +76,9 @@ class RunState:
     last_step_end: float | None = None  # perf_counter when the step before ended (its validation and checkpoint too)
     ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
     warned_clipped: bool = False  # a training step's responses were mostly cut by rollout.response_length (said once)
-    startup: StartupClock | None = None  # the start-up's phases (flows/startup.py), logged once the loop starts
+    startup: StartupClock | None = (
+        None  # the start-up's phases (flows/controller/startup.py), logged once the loop starts
+    )
 
     # ------------------------------------------------------------------------------------------ state
     def train_state(self, step: int) -> TrainState:
@@ -117,7 +120,7 @@ class RunState:
         self.ahead.clear()
 
     def use_workers(self, groups: dict) -> None:
-        """The run's worker groups, by role (``flows.groups.build_groups``)."""
+        """The run's worker groups, by role (``flows.controller.groups.build_groups``)."""
         self.groups = groups
 
     def show_progress(self, progress: ProgressArtifact, terminal: TerminalProgress | None) -> None:
@@ -178,7 +181,7 @@ class RunState:
 
     def release_workers(self, keep: bool = False) -> None:
         """Shut every worker group down and give its placement back (at the end, or before a long pause); with
-        ``keep``, keep their processes for the next run of this process (``flows.groups.release_group``)."""
+        ``keep``, keep their processes for the next run of this process (``flows.controller.groups.release_group``)."""
         for group in self.distinct_groups().values():
             release_group(group, keep=keep)
         self.groups = {}

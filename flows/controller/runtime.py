@@ -1,12 +1,12 @@
-"""``Run``: the loop every training flow drives, once ``flows.run_start.start_run`` has built it: the steps left
-(rewound after a worker fault, ``flows/recovery.py``), per-step timing and metrics, validation and checkpoints when
-due, the start model validated before and the final model published after, and the workers released at the end.
-What a run holds is its ``RunState`` (``flows/run_state.py``); the flows themselves (``flows/grpo.py`` ...) stay the
-algorithm.
+"""``Run``: the loop every training flow drives, once ``flows.controller.run_start.start_run`` has built it: the steps
+left (rewound after a worker fault, ``flows/controller/recovery.py``), per-step timing and metrics, validation and
+checkpoints when due, the start model validated before and the final model published after, and the workers released at
+the end. What a run holds is its ``RunState`` (``flows/controller/run_state.py``); the flows themselves
+(``flows/grpo.py`` ...) stay the algorithm.
 
 What the loop calls when it is due lives beside it, as functions of the run's state: validation and evaluation
-(``flows/run_evaluation.py``), checkpoints (``flows/run_checkpoints.py``) and the final model's publishing
-(``flows/run_publish.py``); start-up, recovery, groups and rows have their own modules too.
+(``flows/controller/run_evaluation.py``), checkpoints (``flows/controller/run_checkpoints.py``) and the final model's
+publishing (``flows/controller/run_publish.py``); start-up, recovery, groups and rows have their own modules too.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from datetime import datetime, timezone
 
 from prefect import get_run_logger
 
-from flows import run_checkpoints, run_evaluation, startup
-from flows.groups import ray_outlives_the_run
-from flows.recovery import recover
-from flows.run_publish import publish
-from flows.run_state import CLIPPED_WARNING_RATIO, RunState
-from flows.tracking import step_summary
+from flows.controller import run_checkpoints, run_evaluation, startup
+from flows.controller.groups import ray_outlives_the_run
+from flows.controller.recovery import recover
+from flows.controller.run_publish import publish
+from flows.controller.run_state import CLIPPED_WARNING_RATIO, RunState
+from flows.plumbing.tracking import step_summary
 
 
 class Run(RunState):
@@ -127,7 +127,7 @@ class Run(RunState):
         """Around a flow's body: always release the workers and close the MLflow run, FINISHED when the body
         ended, FAILED on an exception (which then ends the flow run Failed).
 
-        Stage tasks run in the task runner's host actor (flows/task_runner.py), which asks Ray for no CPU: they
+        Stage tasks run in the task runner's host actor (flows/plumbing/task_runner.py), which asks Ray for no CPU: they
         only call the worker groups, whose placement groups hold the resources, so a cluster that lost a node still
         has room to run them. Ray does not re-run a stage task that failed: ``recover`` decides what to redo."""
         status = "FAILED"
@@ -156,7 +156,7 @@ class Run(RunState):
 
     def publish(self) -> dict:
         """After the last step: evaluate the final model, save it, log and register it, and in a lineage gate it
-        (``trainer.promotion=manual``: the run pauses for a person's approval); see ``flows.run_publish``."""
+        (``trainer.promotion=manual``: the run pauses for a person's approval); see ``flows.controller.run_publish``."""
         return publish(self)
 
     def log_startup(self) -> None:

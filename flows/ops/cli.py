@@ -23,24 +23,21 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.launch import ALGORITHMS, get_flow, run_training
-from flows.preflight import require_mlflow_tracking, require_prefect_api, server_failure_message, use_running_services
-from flows.services import (
-    CONTROLLER,
+from flows.ops.preflight import server_failure_message, use_running_services
+from flows.ops.services import CONTROLLER, LOCAL_RAY, ServiceConfig, service_status, start_services, stop_services
+from flows.plumbing.servers import (
     LOCAL_HOSTS,
-    LOCAL_RAY,
     MLFLOW_TRACKING_URI,
     PREFECT_API_URL,
-    ServiceConfig,
     ServiceError,
-    service_status,
-    start_services,
-    stop_services,
+    require_mlflow_tracking,
+    require_prefect_api,
 )
 
 
 class _Commands(typer.Typer):
     """The command line: a Prefect or MLflow request that still fails after its client's retries ends the command
-    with one line naming the server, its URL and the request (flows.preflight.server_failure_message), exit
+    with one line naming the server, its URL and the request (flows.ops.preflight.server_failure_message), exit
     status 3, instead of a traceback through httpx or requests."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -182,7 +179,7 @@ def runs(
 def _print_champion_history(client, name: str) -> None:
     from mlflow.exceptions import MlflowException
 
-    from flows.versions import champion_history
+    from flows.lineages.versions import champion_history
 
     try:
         moves = champion_history(client, name)
@@ -207,8 +204,8 @@ def promote(
     """Make a model version the lineage's champion by hand; the next run starts from it."""
     from mlflow.tracking import MlflowClient
 
-    from flows.lineage import ModelReferenceError
-    from flows.versions import promote_by_hand
+    from flows.lineages.lineage import ModelReferenceError
+    from flows.lineages.versions import promote_by_hand
 
     use_services(mlflow=True)
     try:
@@ -228,8 +225,8 @@ def rollback(
     """Move the lineage's champion back to the version it was before; the next run starts from that one."""
     from mlflow.tracking import MlflowClient
 
-    from flows.lineage import ModelReferenceError
-    from flows.versions import rollback as roll_back
+    from flows.lineages.lineage import ModelReferenceError
+    from flows.lineages.versions import rollback as roll_back
 
     use_services(mlflow=True)
     try:
@@ -243,7 +240,7 @@ def rollback(
 @app.command()
 def deploy() -> None:
     """Create (or update) the work pool, the deployments of deployments/prefect.yaml and the crash automations."""
-    from flows.deploy import POOL, deploy_all, ensure_automations, ensure_work_pool
+    from flows.ops.deploy import POOL, deploy_all, ensure_automations, ensure_work_pool
 
     use_services(prefect=True)
     ensure_work_pool()
@@ -256,11 +253,11 @@ def deploy() -> None:
 @app.command()
 def worker(limit: int = typer.Option(1, help="flow runs at once on this machine")) -> None:
     """Run a Prefect process worker on the rlflow pool: it starts the scheduled runs and watches their processes;
-    a crashed run the restart automation missed is restarted from here (flows/deploy.py)."""
+    a crashed run the restart automation missed is restarted from here (flows/ops/deploy.py)."""
     import signal
     import subprocess
 
-    from flows.deploy import CRASH_CHECK_EVERY_S, POOL
+    from flows.ops.deploy import CRASH_CHECK_EVERY_S, POOL
 
     use_services(prefect=True)
     command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
@@ -280,7 +277,7 @@ def worker(limit: int = typer.Option(1, help="flow runs at once on this machine"
 
 
 def _restart_missed_crashes() -> None:
-    from flows.deploy import restart_missed_crashes
+    from flows.ops.deploy import restart_missed_crashes
 
     try:
         for name in restart_missed_crashes():
@@ -309,7 +306,7 @@ def demo(
     ),
 ) -> None:
     """Start the services, train the demo (SFT, then GRPO); print before/after accuracy and where to look."""
-    from flows.demo import main as run_demo
+    from flows.ops.demo import main as run_demo
 
     run_demo(sft_steps=sft_steps, grpo_steps=grpo_steps, model=model, agent=agent, environment=environment)
 
@@ -358,8 +355,8 @@ def up(
 ) -> None:
     """Start both servers, a local Ray and the controller fork server in the background (or reuse running ones) and
     print their URLs. Runs of this machine join that Ray when they are given no other, and build their workers in
-    the processes the run before kept there (flows/kept.py); `rlflow` commands start in children of the fork server,
-    with everything imported (flows/forkserver.py); `rlflow server down` ends them."""
+    the processes the run before kept there (flows/plumbing/kept.py); `rlflow` commands start in children of the fork
+    server, with everything imported (flows/plumbing/forkserver.py); `rlflow server down` ends them."""
     config = _cli_config(
         state_dir,
         host=host,

@@ -15,7 +15,7 @@ import tempfile
 import uuid
 from datetime import datetime, timezone
 
-from flows.lineage import ModelReferenceError, champion_version
+from flows.lineages.lineage import ModelReferenceError, champion_version
 
 # on a model version: mean, n, fingerprint, results (an artifact path), run (the run holding it, when not the
 # version's own: a later run that re-evaluated the version)
@@ -99,7 +99,7 @@ def version_results(client, version, set_name: str, fingerprint: str):
     the run its ``run`` tag names, a later run that re-evaluated it, else in the version's own run); ``None`` when
     it has none made with ``fingerprint`` (other examples or settings), or no run holds them (a version registered
     without a run and never re-evaluated)."""
-    from flows.evaluation import results_from_table
+    from flows.lineages.evaluation import results_from_table
 
     tags = version.tags or {}
     if tags.get(EVAL_TAG.format(set=set_name, field="fingerprint")) != fingerprint:

@@ -1,11 +1,11 @@
 """The end of a run that trained all its steps (``publish``): its final model validated and evaluated, saved to the
-run folder, logged (and registered) in MLflow, promoted in a lineage (flows/promotion.py), the data cursor recorded
-for the lineage's next run, and the run marked complete (``result.json``, which a later attempt reads as "nothing to
-do") with a Prefect markdown artifact that summarises it.
+run folder, logged (and registered) in MLflow, promoted in a lineage (flows/lineages/promotion.py), the data cursor
+recorded for the lineage's next run, and the run marked complete (``result.json``, which a later attempt reads as
+"nothing to do") with a Prefect markdown artifact that summarises it.
 
 Publishing may die anywhere (a kill, a lost machine); the run's next attempt publishes again, and each step
 recognises what an earlier attempt did: the model version this MLflow run registered is found, not registered
-again; a decision recorded on it is finished, not made again (flows/versions.py); the MLflow run is FINISHED
+again; a decision recorded on it is finished, not made again (flows/lineages/versions.py); the MLflow run is FINISHED
 before ``result.json`` is written, so a run marked complete is always one the lineage's next run can continue."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import time
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows import lineage, promotion, run_evaluation
-from flows.run_state import RunState
-from flows.tracking import artifact_key
+from flows.controller import run_evaluation
+from flows.controller.run_state import RunState
+from flows.lineages import evaluation, lineage, promotion, versions
+from flows.plumbing.tracking import artifact_key
 
 
 def publish(run: RunState) -> dict:
@@ -54,7 +55,7 @@ def publish(run: RunState) -> dict:
     if run.config.trainer.log_model:
         result.update(log_final_model(run, path))
     if run.config.trainer.lineage and "model_version" in result:
-        result["decision"] = promotion.promote(run, result["model_version"], final)
+        result["decision"] = promotion.promote(run.config, run.tracker, candidate(run, result["model_version"], final))
     create_markdown_artifact(
         key=f"{artifact_key(run.config.trainer.run_name)}-result",
         markdown=lineage.summary_markdown(run.record, result),
@@ -64,6 +65,27 @@ def publish(run: RunState) -> dict:
     run.tracker.finish("FINISHED")  # before result.json: a run marked complete is one the lineage can continue
     lineage.write_result(run.root, result)
     return result
+
+
+def candidate(run: RunState, version: str, final: dict[str, evaluation.EvalResults]) -> promotion.Candidate:
+    """The run's registered ``version`` as the promotion gate weighs it (flows/lineages/promotion.py): its final and
+    start results, where it started, and how the gate gets results for a champion that has none made with this
+    run's eval settings (its eval set changed, or it was promoted by hand from elsewhere): evaluate it now, in this
+    run, and point its eval tags at the new results, so the next run of the lineage reuses them."""
+    primary = run.config.eval.primary_set
+    eval_set = next(s for s in run.eval_sets if s.name == primary)
+
+    def reevaluate(champion) -> evaluation.EvalResults:
+        get_run_logger().info(
+            "champion v%s has no %s results with these settings: evaluating it in this run", champion.version, primary
+        )
+        uri = f"models:/{champion.name}/{champion.version}"
+        results = run_evaluation.evaluate_model(run, uri, eval_set, label=f"champion_v{champion.version}")
+        versions.tag_results(run.tracker.client, champion.name, champion.version, results, run.tracker.run_id)
+        return results
+
+    start = run_evaluation.saved_results(run, "start")
+    return promotion.Candidate(version, final, start, run.record.model_uri, reevaluate, run.release_workers)
 
 
 def write_model_card(run: RunState, folder: str) -> None:

@@ -10,8 +10,8 @@ moment; a *run* is one training job (``<runs_dir>/<run_name>/``: its checkpoints
 - it starts from the lineage's champion (``models:/<registered model>@<alias>``), or from ``model.path`` while the
   lineage has none; it continues the data cursor of the lineage's last finished run;
 - at the end it registers its model as a new version and moves the alias to it when the promotion gate says so
-  (``flows/evaluation.py``: the final model against the champion *as it is then*, paired on the same held-out
-  examples); every version carries its eval results, the decision and the comparison (``flows/versions.py``).
+  (``flows/lineages/evaluation.py``: the final model against the champion *as it is then*, paired on the same held-out
+  examples); every version carries its eval results, the decision and the comparison (``flows/lineages/versions.py``).
 
 ``run.json`` (written by a run's first attempt, before any worker starts) pins what every later attempt must
 reuse: the resolved start model, the MLflow run, the parent run and the data cursor. ``result.json`` (written after
@@ -39,7 +39,7 @@ from rlworkers.storage import COMPLETE_MARKER, staged_dir
 
 logger = logging.getLogger(__name__)
 
-RESTART_STATE_NAME = "Restarting"  # the Scheduled state the restart automation sets (flows/deploy.py)
+RESTART_STATE_NAME = "Restarting"  # the Scheduled state the restart automation sets (flows/ops/deploy.py)
 RECORD_FILE = "run.json"
 RESULT_FILE = "result.json"
 
@@ -293,7 +293,7 @@ def continue_data_cursor(loader, cursor: dict) -> str:
 # ---------------------------------------------------------------------------------------------- attempts
 def count_crashes(flow_run_id) -> int:
     """How often a flow run crashed since a person or a schedule last started it: CRASHED states after its last
-    SCHEDULED state that was not an automatic restart (named "Restarting", see flows/deploy.py).
+    SCHEDULED state that was not an automatic restart (named "Restarting", see flows/ops/deploy.py).
 
     One crash can be reported twice (the process worker and its runner both see the process exit; the second
     report may land after the automation already set "Restarting"): a CRASHED right after "Restarting", with no

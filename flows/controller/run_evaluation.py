@@ -2,15 +2,17 @@
 at step 0, every ``trainer.test_freq`` steps and at the end; metrics and sample tables in MLflow) and evaluation
 (``evaluate``: the start and the final model on every eval set, its per-example results written to the run folder
 and read back by a later attempt). ``evaluate_model`` evaluates another registered model the same way, for the
-promotion gate (flows/promotion.py). The eval sets, their results and the gate are in ``flows/evaluation.py``."""
+promotion gate (flows/lineages/promotion.py). The eval sets, their results and the gate are in
+``flows/lineages/evaluation.py``."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from flows import evaluation, lineage, stages
-from flows.groups import build_group, plan_key, ray_outlives_the_run, release_group, take_kept_groups
-from flows.run_state import RunState
+from flows import stages
+from flows.controller.groups import build_group, plan_key, ray_outlives_the_run, release_group, take_kept_groups
+from flows.controller.run_state import RunState
+from flows.lineages import evaluation, lineage
 from rlworkers.agents.trajectory import trajectory_text
 from rlworkers.data.batching import decode_responses
 from rlworkers.data.chat import conversation_as_prompt
@@ -88,7 +90,7 @@ def saved_results(run: RunState, label: str) -> dict[str, evaluation.EvalResults
 
 def evaluate(run: RunState, step: int) -> dict[str, evaluation.EvalResults]:
     """The model as it is at ``step`` (0: the start model, total_steps: the final one) on every eval set, each
-    read back when an earlier attempt already evaluated it (flows/evaluation.py)."""
+    read back when an earlier attempt already evaluated it (flows/lineages/evaluation.py)."""
     label = evaluation.label_of(step)
     results = {}
     for eval_set in run.eval_sets:

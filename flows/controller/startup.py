@@ -43,7 +43,7 @@ _command_started: float | None = None  # a command forked by the controller fork
 
 
 def process_started(when: float) -> None:
-    """This run's command started at ``when``, not when this process did (flows/forkserver.py: the process was
+    """This run's command started at ``when``, not when this process did (flows/plumbing/forkserver.py: the process was
     forked from one that had imported everything; its ``imports`` phase is the client's start and the fork)."""
     global _command_started
     _command_started = when

@@ -1,4 +1,4 @@
-"""The Prefect names beyond its public task-runner contract that ``flows/task_runner.py`` needs, in one place.
+"""The Prefect names beyond its public task-runner contract that ``flows/plumbing/task_runner.py`` needs, in one place.
 
 ``WarmRayTaskRunner`` implements Prefect's public contracts: ``prefect.task_runners.TaskRunner`` (``submit``,
 ``duplicate``, ``__enter__`` / ``__exit__``) and ``prefect.futures.PrefectFuture`` (through prefect-ray's public
@@ -161,6 +161,6 @@ def check() -> None:
         from importlib.metadata import version
 
         raise ImportError(
-            f"prefect {version('prefect')} lacks what flows/prefect_internals.py reads from prefect 3.7.7: "
+            f"prefect {version('prefect')} lacks what flows/plumbing/prefect_internals.py reads from prefect 3.7.7: "
             f"{'; '.join(gone)}. Install the pinned prefect (pip install -e .) or re-read that module's docstring."
         )

@@ -1,5 +1,6 @@
 """Local services: a Prefect API server and an MLflow tracking server for this project, a local Ray that runs join
-(flows/kept.py) and the controller fork server that `rlflow` commands start from (flows/forkserver.py).
+(flows/plumbing/kept.py) and the controller fork server that `rlflow` commands start from
+(flows/plumbing/forkserver.py).
 
 ``rlflow server up`` starts them as detached background processes that keep running after the command returns,
 with SQLite backends under a project-local state folder (``.rlflow/`` in the current directory, or ``$RLFLOW_HOME``),
@@ -11,13 +12,13 @@ their pids in ``<state_dir>/services.json`` and writes ``<state_dir>/env.sh``::
     rlflow server status
     rlflow server down
 
-The ``rlflow server`` commands are in ``flows/cli.py``; the checks that flows run before they start (is the
-Prefect API reachable, is the MLflow tracking URI usable) are in ``flows/preflight.py``.
+The ``rlflow server`` commands are in ``flows/ops/cli.py``; the checks that flows run before they start (is the
+Prefect API reachable, is the MLflow tracking URI usable) are in ``flows/ops/preflight.py``.
 
 Layout of the state folder::
 
     services.json  env.sh  logs/{prefect,mlflow,ray,controller}.log
-    controller.sock  the controller fork server's socket (flows/forkserver.py)
+    controller.sock  the controller fork server's socket (flows/plumbing/forkserver.py)
     prefect/       PREFECT_HOME of the server: prefect.db (SQLite)
     mlflow/        mlflow.db (SQLite backend store), artifacts/ (served over HTTP by the tracking server),
                    basic_auth.ini + basic_auth.db (MLflow's users, with --auth)
@@ -34,7 +35,6 @@ settings they start with (SQLite or PostgreSQL, artifacts, authentication).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import json
@@ -56,27 +56,23 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from flows import kept
-from flows.forkserver import CONTROLLER_ENV as CONTROLLER  # the controller fork server's socket, in env.sh
-from flows.forkserver import SOCKET_NAME
-from flows.kept import LOCAL_RAY_ENV as LOCAL_RAY  # the local Ray's address, in env.sh
+from flows.plumbing import kept
+from flows.plumbing.forkserver import CONTROLLER_ENV as CONTROLLER  # the controller fork server's socket, in env.sh
+from flows.plumbing.forkserver import SOCKET_NAME
+from flows.plumbing.kept import LOCAL_RAY_ENV as LOCAL_RAY  # the local Ray's address, in env.sh
+from flows.plumbing.servers import (
+    MLFLOW_TRACKING_URI,
+    PREFECT_API_URL,
+    ServiceError,
+    default_state_dir,
+    http_ok,
+)
 
 logger = logging.getLogger(__name__)
 
-PREFECT_API_URL = "PREFECT_API_URL"
-MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
 SERVICES = ("prefect", "mlflow", "ray", "controller")
 _SERVICES_FILE = "services.json"
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
-
-
-class ServiceError(RuntimeError):
-    """A local service cannot be started, reached or used; the message says how to fix it."""
-
-
-def _default_state_dir() -> Path:
-    return Path(os.environ.get("RLFLOW_HOME") or ".rlflow")
 
 
 class ServiceConfig(BaseModel):
@@ -85,7 +81,7 @@ class ServiceConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     state_dir: Path = Field(
-        default_factory=_default_state_dir,
+        default_factory=default_state_dir,
         validate_default=True,
         description="State folder (default .rlflow in the current directory, or $RLFLOW_HOME).",
     )
@@ -329,10 +325,10 @@ def _write_mlflow_auth_config(config: ServiceConfig) -> None:
 
 
 def _ray_spec(config: ServiceConfig) -> _Spec:
-    """The local Ray that runs join when they are given no other (flows/groups.py ``ray_settings``), where worker
-    processes are kept from run to run (flows/kept.py). Clients reach it at 127.0.0.1; Ray itself listens on the
-    node's address, as the Ray a run starts for itself does, with Ray's token authentication (its default, the token
-    in ~/.ray/auth_token). Its temporary folder is its own (see ``local_ray_command``)."""
+    """The local Ray that runs join when they are given no other (flows/controller/groups.py ``ray_settings``), where
+    worker processes are kept from run to run (flows/plumbing/kept.py). Clients reach it at 127.0.0.1; Ray itself
+    listens on the node's address, as the Ray a run starts for itself does, with Ray's token authentication (its
+    default, the token in ~/.ray/auth_token). Its temporary folder is its own (see ``local_ray_command``)."""
     import hashlib
 
     digest = hashlib.blake2b(str(config.state_dir).encode(), digest_size=4).hexdigest()
@@ -344,9 +340,9 @@ def _ray_spec(config: ServiceConfig) -> _Spec:
 
 
 def _controller_spec(config: ServiceConfig) -> _Spec:
-    """The controller fork server (flows/forkserver.py): `rlflow` commands run in its forked children, with torch,
-    transformers, Prefect, MLflow and Ray imported once. It listens once it imported them, seconds after the servers
-    answer: `up` does not wait for it, and until then commands run in their own processes, as without it."""
+    """The controller fork server (flows/plumbing/forkserver.py): `rlflow` commands run in its forked children, with
+    torch, transformers, Prefect, MLflow and Ray imported once. It listens once it imported them, seconds after the
+    servers answer: `up` does not wait for it, and until then commands run in their own processes, as without it."""
     path = config.state_dir / SOCKET_NAME
     # a file, not a module: the server serves the checkout it is in (and importing it would import the CLI)
     command = [sys.executable, str(Path(__file__).resolve().with_name("warm_controller.py")), str(path)]
@@ -375,8 +371,8 @@ def local_ray_command(port: int, num_cpus: int, temp_dir: str) -> list[str]:
         f"--port={port}", f"--num-cpus={num_cpus}",
         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
         "--no-monitor",  # no autoscaler: a Ray of one node
-        # runs join with log_to_driver=False (flows/groups.py): nothing reads the worker output a log monitor pushes
-        # (it stays in the temporary folder's logs), and the monitor polls every log file of the node all along
+        # runs join with log_to_driver=False (flows/controller/groups.py): nothing reads the worker output a log monitor
+        # pushes (it stays in the temporary folder's logs), and the monitor polls every log file of the node all along
         "--include-log-monitor=false",
         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
         # every actor rlflow starts has a runtime env of its own: idle workers started for a job go unused
@@ -401,49 +397,6 @@ def _specs(config: ServiceConfig) -> dict[str, _Spec]:
 
 
 # ---------------------------------------------------------------------------------------------- processes
-
-
-def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> int | None:
-    """The HTTP status of GET ``url`` (None when nothing answers). Loopback requests bypass any http_proxy of the
-    environment."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    handlers = [urllib.request.ProxyHandler({})] if host in LOCAL_HOSTS else []
-    try:
-        with urllib.request.build_opener(*handlers).open(
-            urllib.request.Request(url, headers=dict(headers or {})), timeout=timeout
-        ) as response:
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except (OSError, ValueError):  # URLError, timeouts and refused connections are OSErrors
-        return None
-
-
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when GET ``url`` answers 2xx; for a ``tcp://host:port`` URL (the local Ray's) or a ``unix://path`` one
-    (the controller fork server's socket), when it accepts connections."""
-    if url.startswith("unix://"):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            try:
-                sock.connect(url[len("unix://") :])
-                return True
-            except OSError:
-                return False
-    if url.startswith("tcp://"):
-        host, _, port = url[len("tcp://") :].rpartition(":")
-        try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
-                return True
-        except (OSError, ValueError):
-            return False
-    status = http_status(url, timeout)
-    return status is not None and 200 <= status < 300
-
-
-def basic_auth_header(user_and_password: str) -> dict[str, str]:
-    """The ``Authorization`` header of HTTP basic authentication for ``user:password``."""
-    return {"Authorization": "Basic " + base64.b64encode(user_and_password.encode()).decode()}
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -489,7 +442,7 @@ def _is_ours(pid: int, name: str) -> bool:
         return True  # no /proc: trust the live process group
     stat = _proc_stat(pid)
     if name == "controller":
-        ours = any(word.endswith(b"flows/warm_controller.py") for word in cmdline)
+        ours = any(word.endswith(b"flows/ops/warm_controller.py") for word in cmdline)
     else:
         marker = (b"ray.scripts.scripts", b"start") if name == "ray" else (name.encode(), b"server")
         ours = all(word in cmdline for word in marker)

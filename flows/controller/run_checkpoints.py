@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from flows.run_state import RunState, TrainState
+from flows.controller.run_state import RunState, TrainState
+from flows.plumbing.tracking import publish_checkpoint_artifact
 from flows.stages import save_checkpoint
-from flows.tracking import publish_checkpoint_artifact
 
 STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
 

@@ -71,8 +71,8 @@ def main(
 ) -> None:
     from flows.config import load_config, runs_root
     from flows.launch import run_training
-    from flows.preflight import apply_service_env
-    from flows.services import ServiceConfig, start_services
+    from flows.ops.preflight import apply_service_env
+    from flows.ops.services import ServiceConfig, start_services
 
     if model not in PRESETS or model in (AGENT, ENVIRONMENT):
         raise ValueError(f"rlflow demo --model {model!r}: use 'tiny' (the default) or {REAL_MODEL!r}")
@@ -149,7 +149,7 @@ def tries(config) -> str:
     """For an environment scored 1 / (1 + retries) (RetryArithmetic): how many held-out answers were right at the
     first try, and how many only after the environment's feedback, before and after training."""
     from flows.config import runs_root
-    from flows.evaluation import EvalResults, results_path
+    from flows.lineages.evaluation import EvalResults, results_path
     from rlworkers.checkpoint import read_json
 
     counts = []
@@ -163,9 +163,10 @@ def tries(config) -> str:
 
 def paired_test(config) -> str:
     """The run's final model against its start model on the same held-out examples, as the promotion gate compares
-    (flows/evaluation.py): the difference with its interval, how many examples went up and down, and the exact test."""
+    (flows/lineages/evaluation.py): the difference with its interval, how many examples went up and down, and the exact
+    test."""
     from flows.config import runs_root
-    from flows.evaluation import EvalResults, compare, describe, results_path
+    from flows.lineages.evaluation import EvalResults, compare, describe, results_path
     from rlworkers.checkpoint import read_json
 
     root, primary = runs_root(config), config.eval.primary_set

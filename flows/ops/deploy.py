@@ -13,7 +13,7 @@ The automations (Prefect UI -> Automations; each firing shows in the event feed 
 - ``rlflow: restart crashed runs``: a Crashed flow run tagged ``rlflow`` is set back to Scheduled, so the worker
   starts a new attempt of the *same* flow run: same name, so the same training run, which resumes its newest
   valid checkpoint and continues its MLflow run. Each attempt counts the crashes in its flow run's state history
-  and ends Failed, saying so, once they exceed ``trainer.max_crash_restarts`` (see ``flows/lineage.py``).
+  and ends Failed, saying so, once they exceed ``trainer.max_crash_restarts`` (see ``flows/lineages/lineage.py``).
 
 ``rlflow worker`` backs the second one up (``restart_missed_crashes``): the Prefect server can drop an automation's
 evaluation of an event (on SQLite, a busy database fails it with "database is locked" a few times in a row and the
@@ -31,10 +31,10 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from flows.lineage import RESTART_STATE_NAME
-from flows.preflight import ServerFailure, name_the_server
+from flows.lineages.lineage import RESTART_STATE_NAME
+from flows.ops.preflight import ServerFailure, name_the_server
 
-PROJECT_DIR = Path(__file__).resolve().parents[1]
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 PREFECT_FILE = PROJECT_DIR / "deployments" / "prefect.yaml"
 POOL = "rlflow"
 TAG = "rlflow"

@@ -1,8 +1,8 @@
-"""The controller fork server's own process (flows/forkserver.py says what it is for and how a command reaches it):
-it imports what a command uses, listens on the socket, and forks a child per command it takes, which becomes the
+"""The controller fork server's own process (flows/plumbing/forkserver.py says what it is for and how a command reaches
+it): it imports what a command uses, listens on the socket, and forks a child per command it takes, which becomes the
 command; it refuses a command whose environment differs in what imports read, or that comes after the code it
 imported changed on disk (it then starts again with the code as it is now), and says why in its log. `rlflow
-server up` starts it as ``python flows/warm_controller.py <socket>`` (flows/services.py)."""
+server up` starts it as ``python flows/ops/warm_controller.py <socket>`` (flows/ops/services.py)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def serve(path: Path) -> NoReturn:
 def _import_what_commands_use() -> None:
     import setproctitle  # noqa: F401
 
-    import flows.cli  # noqa: F401  (typer, the services, the preflight checks)
-    import flows.demo  # noqa: F401
+    import flows.ops.cli  # noqa: F401  (typer, the services, the preflight checks)
+    import flows.ops.demo  # noqa: F401
     from flows.launch import ALGORITHMS, get_flow
 
     for algorithm in ALGORITHMS:  # torch, transformers, Prefect, MLflow, Ray and each flow's modules
@@ -157,7 +157,7 @@ class _Server:
 
     def refusal(self, connection: socket.socket, request: dict) -> str | None:
         """Why the command cannot run in a child of this server, or None."""
-        from flows.forkserver import checkout, python_identity
+        from flows.plumbing.forkserver import checkout, python_identity
 
         uid = array.array("i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
         if uid != os.getuid():
@@ -229,7 +229,7 @@ def _become_the_command(request: dict, fds: list[int], connection: socket.socket
         sys.argv = ["rlflow", *request["argv"][1:]]  # its usage lines name the command, not this file
         sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())
         _as_if_started_now(request["started"])
-        from flows.cli import run_command
+        from flows.ops.cli import run_command
 
         run_command()  # ends the process
     except BaseException as error:  # noqa: BLE001  (a child never returns to the server's loop)
@@ -253,19 +253,19 @@ def _as_if_started_now(started: float) -> None:
     import prefect.logging.configuration
     from rich.console import Console
 
-    import flows.cli
-    from flows import startup
+    import flows.ops.cli
+    from flows.controller import startup
 
     prefect.context.refresh_global_settings_context()  # PREFECT_* of the command's environment
     prefect.logging.configuration.setup_logging(incremental=False)  # its handlers write to the command's stderr
-    flows.cli.console = Console()  # whether stdout is a terminal, its width and colours
+    flows.ops.cli.console = Console()  # whether stdout is a terminal, its width and colours
     startup.process_started(started)
 
 
 if __name__ == "__main__":
-    # run as a file (flows/services.py): the checkout this file is in is the one it serves, whichever is installed
+    # run as a file (flows/ops/services.py): the checkout this file is in is the one it serves, whichever is installed
     # (so nothing of rlflow is imported above)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-    from flows.warm_controller import serve as serve_this_checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+    from flows.ops.warm_controller import serve as serve_this_checkout
 
     serve_this_checkout(Path(sys.argv[1]))

@@ -1,8 +1,8 @@
 """Worker processes kept in the local Ray of `rlflow server up` between the runs of different processes.
 
-`rlflow server up` starts a Ray beside the Prefect and MLflow servers (flows/services.py); every run of this machine
-that was given no other Ray joins it (``$RLFLOW_LOCAL_RAY``, flows/groups.py ``ray_settings``). There a run builds its
-worker groups and its task host as detached actors, in detached placement groups, and this module's
+`rlflow server up` starts a Ray beside the Prefect and MLflow servers (flows/ops/services.py); every run of this machine
+that was given no other Ray joins it (``$RLFLOW_LOCAL_RAY``, flows/controller/groups.py ``ray_settings``). There a run
+builds its worker groups and its task host as detached actors, in detached placement groups, and this module's
 ``KeptProcesses`` actor (one per Ray, detached too) records them: held by the run's process while it runs, idle once
 it ended and its workers let go (``Worker.end_for_reuse``). The next run, in another process (the next `rlflow train`,
 a deployment run), takes the idle ones of the same class, size, resources and environment and builds its workers in
@@ -23,9 +23,9 @@ import threading
 import time
 from typing import Any
 
-from flows.forkserver import start_ticks
+from flows.plumbing.forkserver import start_ticks
 
-LOCAL_RAY_ENV = "RLFLOW_LOCAL_RAY"  # the address of the local Ray of `rlflow server up` (flows/services.py)
+LOCAL_RAY_ENV = "RLFLOW_LOCAL_RAY"  # the address of the local Ray of `rlflow server up` (flows/ops/services.py)
 NAMESPACE = "rlflow"
 REGISTRY_NAME = (
     "rlflow-kept-processes-2"  # -2: holders by start ticks (a registry of before, in a Ray still up, is left alone)

@@ -51,8 +51,8 @@ as prefect-ray 0.6.0's ``RayTaskRunner`` (still the baseline of bench/overhead.p
 
 Ray starts in ``start_ray``, not when Prefect enters the runner (before the flow's body runs): a flow knows the Ray
 settings it wants (its config's ``trainer.ray_address`` / ``ray_num_cpus``) only once it runs, and
-``flows.run_start.start_run`` passes them. A flow that never calls it gets Ray with the runner's own ``address`` and
-``init_kwargs`` at its first submit.
+``flows.controller.run_start.start_run`` passes them. A flow that never calls it gets Ray with the runner's own
+``address`` and ``init_kwargs`` at its first submit.
 
 The host starts with the flow's Ray, and at once imports the modules the tasks come from (``preload``) and opens
 its client, while the flow builds its worker groups: the first task does not wait for them. The imports run in the
@@ -70,7 +70,7 @@ The host's environment variables are ``host_env()`` (evaluated when it starts) p
 ``remote_options(...)`` (prefect-ray's context) current then; ``num_cpus`` / ``num_gpus`` are not asked by it.
 
 Over 450 lines on purpose: one runner. The Prefect names it needs beyond the public contract are used only through
-flows/prefect_internals.py, which lists and checks them.
+flows/plumbing/prefect_internals.py, which lists and checks them.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 from ray import cloudpickle
 
-from flows import kept as kept_processes
-from flows import prefect_internals
+from flows.plumbing import kept as kept_processes
+from flows.plumbing import prefect_internals
 
 HOST_THREADS = 32  # tasks in flight at once (they mostly wait on WorkerGroup calls)
 # the idle host of this process's last flow run, for its next one (see the module docstring): [(key, actor)] or [None]
@@ -180,7 +180,7 @@ def connect_ray(address: str, init_kwargs: dict[str, Any], log: logging.Logger) 
 def keep_sigterm_handler():
     """``ray.init`` in the main thread replaces the SIGTERM handler with its own (``sys.exit``); the flow engine's,
     which turns SIGTERM into Prefect's ``TerminationSignal`` and the flow run Crashed, is put back. The run still
-    ends its workers and its MLflow run on the way out (``flows.runtime.Run.training``), Ray at exit."""
+    ends its workers and its MLflow run on the way out (``flows.controller.runtime.Run.training``), Ray at exit."""
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     try:
@@ -260,7 +260,7 @@ class TaskHost:
         from rlworkers.process_start import resume_gc
         from rlworkers.single_controller.base.worker import WORKING_DIR_ENV
 
-        if os.environ.get(WORKING_DIR_ENV):  # the flow's (flows/groups.py _service_env): relative paths
+        if os.environ.get(WORKING_DIR_ENV):  # the flow's (flows/controller/groups.py _service_env): relative paths
             os.chdir(os.environ[WORKING_DIR_ENV])
         for module in preload:  # here, not in a method: no task thread runs before the constructor has finished
             importlib.import_module(module)
@@ -621,7 +621,9 @@ class WarmRayTaskRunner(TaskRunner[HostFuture]):
         self.preload = tuple(preload)
         self._host = None
         self._host_key: tuple | None = None  # see _kept_host
-        self._host_item: str | None = None  # its id in the local Ray's registry of kept processes (flows/kept.py)
+        self._host_item: str | None = (
+            None  # its id in the local Ray's registry of kept processes (flows/plumbing/kept.py)
+        )
         self._host_token = uuid4().hex  # on this runner's futures: their tasks run in its host (see HandOff)
         self._host_lock = threading.Lock()
         self._by_reference: dict[str, tuple[dict, tuple[str, list]]] = {}  # what -> (its form, its reference)

@@ -11,9 +11,9 @@ import threading
 import uuid
 import weakref
 
-from flows import kept as kept_processes
 from flows.config import RLConfig
-from flows.services import http_ok
+from flows.plumbing import kept as kept_processes
+from flows.plumbing.servers import http_ok
 from rlworkers.single_controller.base.worker import WORKING_DIR_ENV
 from rlworkers.single_controller.errors import StaleProcessError
 from rlworkers.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -30,14 +30,15 @@ logger = logging.getLogger(__name__)
 # next run of the process builds its workers in those of the same class, size, resources and environment
 # (``RayWorkerGroup.reinitialize``: seeded and set up exactly as in new processes) instead of starting processes that
 # import torch and transformers again (most of a short run's CPU: docs/performance.md). In the local Ray of `rlflow
-# server up` the groups of every run are kept so, for the next run of any process (flows/kept.py). A run that starts
-# its own Ray (``rlflow train`` with no local Ray up, a deployment run then) ends its groups with it. Kept groups that
-# a build does not take are ended then, so they never hold the placement a run needs; ``end_kept_groups()`` ends them
-# at any time.
+# server up` the groups of every run are kept so, for the next run of any process (flows/plumbing/kept.py). A run that
+# starts its own Ray (``rlflow train`` with no local Ray up, a deployment run then) ends its groups with it. Kept groups
+# that a build does not take are ended then, so they never hold the placement a run needs; ``end_kept_groups()`` ends
+# them at any time.
 _kept_groups: list[tuple[tuple, RayWorkerGroup]] = []
 _keys: weakref.WeakKeyDictionary[RayWorkerGroup, tuple] = weakref.WeakKeyDictionary()  # of reusable groups built
 _kept_groups_lock = threading.Lock()
-# the groups of this process recorded in the local Ray's registry of kept processes (flows/kept.py): their item ids
+# the groups of this process recorded in the local Ray's registry of kept processes (flows/plumbing/kept.py): their item
+# ids
 _registered: weakref.WeakKeyDictionary[RayWorkerGroup, str] = weakref.WeakKeyDictionary()
 
 
@@ -299,7 +300,7 @@ def ray_outlives_the_run() -> bool:
     (``release_group(..., keep=True)``)."""
     from prefect.context import FlowRunContext
 
-    from flows.task_runner import WarmRayTaskRunner
+    from flows.plumbing.task_runner import WarmRayTaskRunner
 
     context = FlowRunContext.get()
     runner = context.task_runner if context else None
@@ -310,12 +311,12 @@ def flow_task_runner():
     """The task runner of the flow run this process is in; training flows run on ``ray_task_runner()``."""
     from prefect.context import FlowRunContext
 
-    from flows.task_runner import WarmRayTaskRunner
+    from flows.plumbing.task_runner import WarmRayTaskRunner
 
     runner = FlowRunContext.get().task_runner
     if not isinstance(runner, WarmRayTaskRunner):
         raise TypeError(
-            f"training flows run on flows.groups.ray_task_runner(), not {type(runner).__name__}: drop "
+            f"training flows run on flows.controller.groups.ray_task_runner(), not {type(runner).__name__}: drop "
             "the task_runner of `flow.with_options(...)`"
         )
     return runner
@@ -388,13 +389,13 @@ def ray_task_runner():
     """The flows' task runner (``WarmRayTaskRunner``: prefect-ray's, with tasks in a long-lived actor), built here
     only. It starts Ray when the flow's ``start_run`` calls ``start_ray`` with the run's config (``ray_settings``).
     Every Ray worker, on every node, gets the service URLs in its environment."""
-    from flows.task_runner import WarmRayTaskRunner
+    from flows.plumbing.task_runner import WarmRayTaskRunner
 
     # the worker classes too: a stage task's WorkerGroup argument is rebuilt in the host from its worker class, and the
     # first one (validation before step 1) would otherwise wait for torch and transformers to import there; and the
     # run's modules (with MLflow): the flow run context every task gets holds the flow, whose module imports them
     workers = ("rlworkers.workers.actor_rollout_ref", "rlworkers.workers.critic", "rlworkers.workers.reward")
-    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", *workers, "flows.run_start"))
+    return WarmRayTaskRunner(host_env=_service_env, preload=("flows.stages", *workers, "flows.controller.run_start"))
 
 
 def ray_settings(address: str | None, num_cpus: int | None) -> tuple[str | None, dict]:
