@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.startup import cpu_description, machine_cpu_s  # noqa: E402 (after ROOT joins the path)
+from bench.machine import cpu_description, machine_cpu_s, machine_speed  # noqa: E402 (after ROOT joins the path)
 from flows.ops.services import free_port  # noqa: E402
 
 HEADING = "### Agents: tools and environments"
@@ -58,7 +58,7 @@ def main() -> None:
     from flows.ops.preflight import apply_service_env
     from flows.ops.services import ServiceConfig, start_services, stop_services
 
-    print(f"CPU: {cpu_description()}")
+    print(f"CPU: {cpu_description()}; {machine_speed()}")
     commands = readme_commands()
     with tempfile.TemporaryDirectory(prefix="rlflow-agents-") as tmp:
         work = Path(tmp) / "work"

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -82,9 +83,6 @@ def main() -> int:
     if not command:
         parser.error("give the command to measure, e.g. -- make test")
 
-    before = {(p.pid, p.create_time()): sum(p.cpu_times()[:2]) for p in psutil.process_iter() if _alive(p)}
-    machine_before, started = psutil.cpu_times(), time.monotonic()
-    child = subprocess.Popen(command)
     stopped: list[int] = []
 
     def stop(signum, _frame):
@@ -92,6 +90,10 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    print_machine("before")
+    before = {(p.pid, p.create_time()): sum(p.cpu_times()[:2]) for p in psutil.process_iter() if _alive(p)}
+    machine_before, started = psutil.cpu_times(), time.monotonic()
+    child = subprocess.Popen(command)
 
     used: dict[tuple[int, float], list] = {}  # (pid, start time) -> [CPU seconds, kind]
     seen: dict[tuple[int, float], dict] = {}  # (pid, start time) -> its parent, command line, last time seen
@@ -119,6 +121,8 @@ def main() -> int:
                     pass
         time.sleep(args.every)
     print_table(used, machine_before, time.monotonic() - started)  # first: a stop may be followed by SIGKILL
+    if not stopped:
+        print_machine("after")
     if args.processes:
         with open(args.processes, "w") as out:
             for (pid, start), record in seen.items():
@@ -143,6 +147,14 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
+def print_machine(when: str) -> None:
+    """The CPU and its speed now (bench/machine.py, in a process of its own: torch stays out of this one), so that
+    suite runs on machines of the same name but of different speeds can be told apart."""
+    script = Path(__file__).with_name("machine.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    print(f"machine {when}: " + (done.stdout.strip().replace("\n", "; ") or done.stderr.strip()[-300:]), flush=True)
+
+
 def print_table(used: dict, machine_before, wall_s: float) -> None:
     totals: dict[str, list] = {}
     for seconds, what in used.values():
@@ -156,6 +168,8 @@ def print_table(used: dict, machine_before, wall_s: float) -> None:
     share = busy / (wall_s * cores)
     print(f"\nCPU by kind of process over {wall_s / 60:.1f} min on {cores} CPUs ({share:.0%} busy):")
     print(f"  {busy / 60:.1f} CPU-min used on the machine, {counted / 60:.1f} of them by the processes below")
+    steal = getattr(machine, "steal", 0.0) - getattr(machine_before, "steal", 0.0)
+    print(f"  {steal / 60:.1f} CPU-min stolen by the host (time this machine wanted a CPU and its host ran another)")
     for what, (seconds, count) in sorted(totals.items(), key=lambda item: -item[1][0]):
         if seconds >= 1:
             print(f"  {seconds / 60:7.1f} CPU-min {seconds / max(counted, 1e-9):5.0%}  {count:5d} processes  {what}")

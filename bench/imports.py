@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup import cpu_description  # noqa: E402
+from machine import cpu_description  # noqa: E402
 
 USUAL = (
     "import transformers.utils.import_utils as u; u.is_sklearn_available = u.is_scipy_available = lambda: False; "

@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--config", default="demo")
     args = parser.parse_args()
-    from startup import cpu_description  # bench/startup.py, beside this file
+    from machine import cpu_description  # bench/machine.py, beside this file
 
     from flows.controller.groups import ray_settings
     from flows.ops.preflight import use_running_services

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,27 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flows.ops.services import free_port  # noqa: E402 (after ROOT joins the path)
+from bench.machine import cpu_description, machine_cpu_s, machine_speed  # noqa: E402 (after ROOT joins the path)
+from flows.ops.services import free_port  # noqa: E402
 
 JOBS = {
     "sft": ["sft", "--config", "demo-sft", "trainer.total_steps=2"],
     "grpo": ["grpo", "--config", "demo", "trainer.total_steps=2"],
 }
-
-
-def cpu_description() -> str:
-    import torch
-
-    from rlworkers.workers.common import cpu_bf16_features
-
-    name = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    native = " and ".join(cpu_bf16_features()) or "no native bf16"
-    return f"{name}, {os.cpu_count()} logical CPUs, torch {torch.backends.cpu.get_cpu_capability()}, {native}"
 
 
 def run_once(job: str, runs_dir: Path, source: Path, env: dict) -> dict[str, float]:
@@ -71,15 +56,6 @@ def run_once(job: str, runs_dir: Path, source: Path, env: dict) -> dict[str, flo
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return {"wall": wall, "cpu": machine_cpu_s() - cpu, **phases_of(name)}
-
-
-def machine_cpu_s() -> float:
-    """CPU seconds the whole machine has been busy (every process: a run's own Ray is not under this process once
-    the run's process exited, the local Ray's processes are): a figure for an otherwise idle machine."""
-    import psutil
-
-    times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def phases_of(run_name: str) -> dict[str, float]:
@@ -169,7 +145,7 @@ def main() -> None:
     from flows.ops.services import CONTROLLER, LOCAL_RAY, ServiceConfig, start_services, stop_services
     from flows.plumbing.servers import http_ok
 
-    print(f"CPU: {cpu_description()}")
+    print(f"CPU: {cpu_description()}; {machine_speed()}")
     source = args.source.resolve()
     # the servers (the controller fork server among them) start from the commands' environment
     os.environ["PYTHONPATH"] = str(source)

@@ -74,6 +74,7 @@ def test_cpu_by_process_counts_what_the_command_started_and_passes_its_exit_stat
         cwd=root, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout + done.stderr
+    assert "machine before: CPU: " in done.stdout and "GFLOPS" in done.stdout.split("machine after:")[1], done.stdout
     burned = next(line for line in done.stdout.splitlines() if line.endswith("other Python"))
     assert float(burned.split()[0]) >= 0.1, done.stdout  # >= 6 of its 8 CPU-s (the last sample may miss 2)
     rows = [json.loads(line) for line in records.read_text().splitlines()]
