@@ -98,7 +98,9 @@ class KLControlConfig(_Frozen):
 
 
 class RolloutCorrectionConfig(_Frozen):
-    """verl's ``algorithm.rollout_correction``; of its modes only bypass (PPO-clip against the rollout policy)."""
+    """verl's ``algorithm.rollout_correction`` (rlworkers/algorithms/rollout_correction.py): the rollout's policy
+    against the old policy's, corrected by truncated importance weights and/or rejection (decoupled mode), or the
+    rollout's log-probs taken as the old policy's (bypass mode)."""
 
     bypass_mode: bool = Field(
         False,
@@ -106,6 +108,35 @@ class RolloutCorrectionConfig(_Frozen):
         "less per step): exact when the rollout samples with the actor's own weights in float32 (rollout.name=hf); "
         "with vLLM or bf16 the PPO ratio then also corrects the rollout/actor mismatch, as in verl",
     )
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None,
+        description="importance weights min(pi_old / pi_rollout, rollout_is_threshold) on each token's policy loss: "
+        "per token (biased, low variance) or per sequence (the product of its tokens' ratios)",
+    )
+    rollout_is_threshold: float = Field(2.0, gt=0, description="the importance weights' upper bound (truncated IS)")
+    rollout_is_batch_normalize: bool = Field(False, description="scale the weights to a mean of 1 over the batch")
+    rollout_rs: str | None = Field(
+        None,
+        description="rejection: mask out tokens or sequences whose divergence from the old policy is out of bounds; "
+        "token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3, several comma separated",
+    )
+    rollout_rs_threshold: str | float | None = Field(
+        None, description="rollout_rs's bounds: lower_upper ratios for k1 (e.g. 0.5_2.0), an upper bound for k2/k3"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCorrectionConfig:
+        from rlworkers.algorithms.rollout_correction import parse_rejection
+
+        if self.bypass_mode and (self.rollout_is or self.rollout_rs):
+            raise ValueError(
+                "algorithm.rollout_correction: rollout_is and rollout_rs weigh the rollout against the old policy the "
+                "actor recomputes, which bypass_mode skips. Fix: bypass_mode=false, or leave rollout_is and "
+                "rollout_rs unset"
+            )
+        if self.rollout_rs is not None:
+            parse_rejection(self.rollout_rs, self.rollout_rs_threshold)  # names a bad option or threshold
+        return self
 
 
 class AlgorithmConfig(_Frozen):

@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from rlworkers.algorithms.batch_ops import apply_bypass_mode, compute_data_metrics
 from rlworkers.algorithms.batch_ops import compute_advantage as compute_advantage_fn
 from rlworkers.algorithms.kl import get_kl_controller
+from rlworkers.algorithms.rollout_correction import apply_rollout_correction
 from rlworkers.checkpoint import CheckpointSaveError, apply_retention, begin_checkpoint, commit_checkpoint, write_json
 from rlworkers.protocol import DataProto
 from rlworkers.single_controller import WorkerError
@@ -140,11 +141,18 @@ def compute_advantage(
     batch: DataProto, parts: list[DataProto], algorithm: dict, kl_ctrl_state: dict | None, step: int
 ) -> DataProto:
     """Merge the stage outputs into the batch and add advantages (a pure function of its inputs). In bypass mode
-    (``algorithm.rollout_correction.bypass_mode``) the rollout's log-probs are the old policy's."""
+    (``algorithm.rollout_correction.bypass_mode``) the rollout's log-probs are the old policy's; otherwise its
+    ``rollout_is`` / ``rollout_rs`` weigh the tokens and mask out the rejected ones before the advantages."""
     for part in parts:
         batch.union(part)
-    if algorithm["rollout_correction"]["bypass_mode"]:
+    correction = algorithm["rollout_correction"]
+    if correction["bypass_mode"]:
         apply_bypass_mode(batch)
+    correction_metrics = {}
+    if correction["rollout_is"] or correction["rollout_rs"]:  # weights for the loss, rejected tokens masked out
+        correction_metrics = apply_rollout_correction(
+            batch, **{key: value for key, value in correction.items() if key != "bypass_mode"}
+        )
     kl_ctrl = None
     if algorithm["use_kl_in_reward"]:
         kl_ctrl = get_kl_controller(algorithm["kl_ctrl"])
@@ -159,7 +167,7 @@ def compute_advantage(
         kl_ctrl=kl_ctrl,
         kl_penalty=algorithm["kl_penalty"],
     )
-    batch.meta_info["data_metrics"] = {**compute_data_metrics(batch), **kl_metrics}
+    batch.meta_info["data_metrics"] = {**compute_data_metrics(batch), **kl_metrics, **correction_metrics}
     batch.meta_info["kl_ctrl_state"] = kl_ctrl.state_dict() if kl_ctrl is not None else None
     return batch
 

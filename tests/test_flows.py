@@ -273,6 +273,37 @@ def test_bypass_mode_trains_as_recomputing_the_old_log_probs_does(env):
         assert len(values) == 3 and histories[True][key] == pytest.approx(values, rel=1e-3, abs=1e-6), key
 
 
+def test_rollout_correction_weighs_the_policy_loss_and_logs_verls_metrics(env, tmp_path):
+    """algorithm.rollout_correction's rollout_is and rollout_rs (verl's decoupled mode) in a run: the HF rollout
+    samples in float32 with the actor's own weights, so the ratios are 1 (the mean weight 1, nothing rejected by
+    seq_max_k3 <= 10); truncated at 1e-6, every token's weight is 1e-6, and so is the policy gradient (a reward of
+    distinct characters: the advantages are not zero; no KL loss and no entropy bonus, so the policy loss is all the
+    gradient there is: its norm is ~4 without the weights on the tiny model, ~4e-6 with them)."""
+    reward = tmp_path / "distinct.py"
+    reward.write_text("def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n")
+    name = f"rollout-corr-{uuid.uuid4().hex[:6]}"
+    correction = "algorithm.rollout_correction"
+    config = small_config(
+        env, name, f"reward.reward_fn={reward}:score", "actor.use_kl_loss=false", "actor.entropy_coeff=0",
+        f"{correction}.bypass_mode=false", f"{correction}.rollout_is=token", f"{correction}.rollout_is_threshold=1e-6",
+        f"{correction}.rollout_rs=seq_max_k3", f"{correction}.rollout_rs_threshold=10",
+        "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
+    )  # fmt: skip
+    state, _ = run_flow("grpo", config)
+    assert state.is_completed(), state.message
+    client, run = mlflow_run(name)
+
+    def history(key):
+        return [m.value for m in client.get_metric_history(run.info.run_id, key)]
+
+    assert history("rollout_corr/rollout_is_mean") == pytest.approx([1.0, 1.0], abs=1e-3)
+    assert history("rollout_corr/rollout_is_ratio_fraction_high") == [1.0, 1.0]
+    assert history("rollout_corr/rollout_rs_masked_fraction") == [0.0, 0.0]
+    assert len(history("rollout_corr/kl")) == 2
+    assert any(value != 0 for value in history("critic/advantages/max")), history("critic/advantages/max")
+    assert all(norm < 1e-3 for norm in history("actor/grad_norm")), history("actor/grad_norm")
+
+
 def test_a_rule_reward_scores_in_the_stage_as_a_reward_worker_does(env, tmp_path):
     """reward.num_workers=0 (the default for a rule): the compute_reward stage scores the generated batch itself,
     and no reward process ever starts; the scores are the ones a reward worker (reward.num_workers=1) gives, step

@@ -250,8 +250,15 @@ class ActorRolloutRefWorker(Worker):
         mask = batch["response_mask"].float()
         logits = common.response_logits(self.module, batch, temperature)
         log_prob = common.logprobs_from_logits(logits, batch["responses"])
+        is_weights = batch.get("rollout_is_weights", None)  # rollout correction's, when the controller added them
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss_fn(
-            batch["old_log_probs"], log_prob, batch["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, config=cfg
+            batch["old_log_probs"],
+            log_prob,
+            batch["advantages"],
+            mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg,
+            rollout_is_weights=is_weights,
         )
         entropy = core_algos.compute_entropy_loss(logits, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy
