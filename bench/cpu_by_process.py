@@ -151,8 +151,12 @@ def print_machine(when: str) -> None:
     """The CPU and its speed now (bench/machine.py, in a process of its own: torch stays out of this one), so that
     suite runs on machines of the same name but of different speeds can be told apart."""
     script = Path(__file__).with_name("machine.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    print(f"machine {when}: " + (done.stdout.strip().replace("\n", "; ") or done.stderr.strip()[-300:]), flush=True)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        said = done.stdout.strip().replace("\n", "; ") or done.stderr.strip()[-300:]
+    except (OSError, subprocess.TimeoutExpired) as error:  # the figures are beside the suite, never in its way
+        said = f"not measured ({error})"
+    print(f"machine {when}: {said}", flush=True)
 
 
 def print_table(used: dict, machine_before, wall_s: float) -> None:
