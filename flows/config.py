@@ -461,6 +461,12 @@ class RLConfig(_Frozen):
                 f"trainer.steps_per_task={self.trainer.steps_per_task} applies to SFT only: {algorithm} runs each "
                 "stage of a step as a task of its own; set it to 1"
             )
+        correction = self.algorithm.rollout_correction
+        if algorithm in ("sft", "online_dpo") and (correction.rollout_is or correction.rollout_rs):
+            problems.append(
+                f"algorithm.rollout_correction.rollout_is / rollout_rs weigh a policy-gradient update, which the "
+                f"{algorithm} flow has none of: unset them, or run the grpo or ppo flow"
+            )
         if algorithm == "grpo" and self.algorithm.adv_estimator == "gae":
             problems.append(
                 "algorithm.adv_estimator=gae needs a critic, which the grpo flow has none of: run the ppo flow "

@@ -176,6 +176,17 @@ def test_the_config_refuses_correction_in_bypass_mode_and_a_bad_option_before_an
         )  # fmt: skip
 
 
+def test_a_flow_without_a_policy_gradient_refuses_rollout_correction():
+    from flows.config import load_config
+
+    config = load_config(
+        "demo", ["algorithm.rollout_correction.bypass_mode=false", "algorithm.rollout_correction.rollout_is=token"]
+    )
+    config.check_algorithm("grpo")
+    with pytest.raises(ValueError, match="online_dpo flow has none"):
+        config.check_algorithm("online_dpo")
+
+
 def test_the_advantage_stage_masks_rejected_tokens_before_the_advantages_and_reports_the_metrics():
     from flows.config import load_config
     from flows.stages import compute_advantage
