@@ -202,6 +202,7 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
         "stock RayTaskRunner": RayTaskRunner,
     }
     walls: dict[str, list[dict]] = {name: [] for name in ways}
+    by_round: dict[str, list[float]] = {name: [] for name in ways}  # each round's median step, per way
     cpu: dict[str, dict[str, float]] = {name: {} for name in ways}  # CPU seconds by kind of process, counted steps
     with ThreadPoolExecutor(3) as pool:
         for round_ in range(rounds):
@@ -223,6 +224,7 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
 
                     times, used = grpo_steps()
                 walls[name] += times[1:]
+                by_round[name].append(statistics.median(t["step"] for t in times[1:]))
                 for label, seconds in used.items():
                     cpu[name][label] = cpu[name].get(label, 0.0) + seconds
     stages = [k for k in walls["plain loop (no Prefect)"][0] if k != "step"]
@@ -250,6 +252,15 @@ def demo_step(config_name: str, steps: int, rounds: int) -> None:
         "controller share of the step (1 - plain / runner): "
         f"WarmRayTaskRunner {1 - plain / warm:.3f}, stock {1 - plain / stock:.3f}"
     )
+    # the machine's speed drifts between rounds (minutes apart); the ways of one round ran back to back
+    plain_rounds = by_round["plain loop (no Prefect)"]
+    for name in ("WarmRayTaskRunner", "stock RayTaskRunner"):
+        shares = [1 - p / r for p, r in zip(plain_rounds, by_round[name])]
+        print(
+            f"{name} by round (the ways of a round back to back): "
+            + ", ".join(f"{share:.3f}" for share in shares)
+            + f"; median {statistics.median(shares):.3f}"
+        )
 
 
 def main() -> None:

@@ -106,7 +106,8 @@ class RolloutCorrectionConfig(_Frozen):
         False,
         description="use the rollout's log-probs as the old policy's (no compute_log_prob stage, one forward pass "
         "less per step): exact when the rollout samples with the actor's own weights in float32 (rollout.name=hf); "
-        "with vLLM or bf16 the PPO ratio then also corrects the rollout/actor mismatch, as in verl",
+        "with vLLM, bf16 or async_training.staleness the PPO ratio then also corrects the rollout/actor mismatch, "
+        "as in verl",
     )
     rollout_is: Literal["token", "sequence"] | None = Field(
         None,
@@ -151,6 +152,28 @@ class AlgorithmConfig(_Frozen):
     kl_ctrl: KLControlConfig = KLControlConfig()
     dpo_beta: float = Field(0.1, gt=0, description="online DPO: strength of the reference anchor")
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+
+
+class AsyncTrainingConfig(_Frozen):
+    """Generation a bounded number of policy versions behind the update (verl's ``async_training``, SkyRL's
+    ``max_staleness_steps``): the batches of the next ``staleness`` steps are generated before this step's update
+    changes the weights, so each is trained on ``staleness`` versions after the policy that sampled it. Never more:
+    no batch is dropped or regenerated for its age (every prompt is trained when the data loader hands it out, hard
+    ones too), and none is generated across a due validation or checkpoint (a checkpoint holds no batch in flight,
+    so a resume continues as a straight run would)."""
+
+    staleness: int = Field(
+        0,
+        ge=0,
+        description="policy versions a batch may be behind the update that trains on it: 0 = on-policy (each "
+        "generation waits for the update before it), 1 = one-step-off, k = bounded",
+    )
+    allow_uncorrected: bool = Field(
+        False,
+        description="train stale batches with no algorithm.rollout_correction (bypass_mode, rollout_is or "
+        "rollout_rs): their policy gradient is then biased by how far the policy that sampled and the one updated "
+        "differ",
+    )
 
 
 class TrainerConfig(_Frozen):
@@ -371,6 +394,7 @@ class RLConfig(_Frozen):
     reward: RewardConfig = RewardConfig()
     custom_reward_function: CustomRewardFunctionConfig = CustomRewardFunctionConfig()
     eval: EvalConfig = EvalConfig()
+    async_training: AsyncTrainingConfig = AsyncTrainingConfig()
     trainer: TrainerConfig = TrainerConfig()
 
     @model_validator(mode="before")
@@ -434,6 +458,34 @@ class RLConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _check_rollout_pool(self):
+        """A rollout pool of its own loads the actor's whole weights after each update."""
+        if self.rollout.n_workers and (self.actor.lora.enabled or self.actor.strategy != "ddp"):
+            setting = "a LoRA adapter (actor.lora.rank > 0)" if self.actor.lora.enabled else "actor.strategy=fsdp2"
+            raise ValueError(
+                f"rollout.n_workers={self.rollout.n_workers} (a rollout pool of its own) takes the actor's whole "
+                f"weights after each update, which it does not do yet with {setting}. Fix: rollout.n_workers=0 (the "
+                "actor's workers generate), or a full model with actor.strategy=ddp"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_staleness(self):
+        """A stale batch is trained with a correction for the policy that sampled it, or without on purpose."""
+        staleness, correction = self.async_training.staleness, self.algorithm.rollout_correction
+        corrected = correction.bypass_mode or correction.rollout_is or correction.rollout_rs
+        if staleness and not (corrected or self.async_training.allow_uncorrected):
+            raise ValueError(
+                f"async_training.staleness={staleness} trains on batches sampled by an older policy with no "
+                "correction for it: the old log-probs are recomputed by the policy of now, and nothing weighs the "
+                "policy that sampled, so the policy gradient is biased by how far the two differ. Fix: "
+                "algorithm.rollout_correction.rollout_is=token (truncated importance weights) and/or rollout_rs, or "
+                "bypass_mode=true (the PPO ratio against the sampling policy, verl's one-step-off default), or "
+                "async_training.allow_uncorrected=true to train so anyway"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_weights_precision(self):
         """AdamW on bf16/fp16 weights loses every step below the dtype's resolution: refused unless asked for."""
         trained = [("actor", self.model, self.actor.optim)] if not self.actor.lora.enabled else []
@@ -466,6 +518,17 @@ class RLConfig(_Frozen):
             problems.append(
                 f"algorithm.rollout_correction.rollout_is / rollout_rs weigh a policy-gradient update, which the "
                 f"{algorithm} flow has none of: unset them, or run the grpo or ppo flow"
+            )
+        if algorithm in ("sft", "online_dpo") and self.rollout.n_workers:
+            problems.append(
+                f"rollout.n_workers={self.rollout.n_workers} gives the training generations a pool of their own, "
+                f"which the {algorithm} flow does not have yet: set it to 0, or run the grpo or ppo flow"
+            )
+        if algorithm in ("sft", "online_dpo") and self.async_training.staleness:
+            problems.append(
+                f"async_training.staleness={self.async_training.staleness} lets generation run ahead of a "
+                f"policy-gradient update, which the {algorithm} flow has none of: set it to 0, or run the grpo or "
+                "ppo flow"
             )
         if algorithm == "grpo" and self.algorithm.adv_estimator == "gae":
             problems.append(

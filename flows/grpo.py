@@ -1,7 +1,7 @@
 """GRPO (DeepSeekMath, arXiv:2402.03300) as a Prefect flow: the controller of the HybridFlow single-controller design.
 
 Each step, for a batch of prompts:
-  1. sample ``rollout.n`` responses per prompt                  generate_sequences  (actor group)
+  1. sample ``rollout.n`` responses per prompt                  generate_sequences  (rollout: the actor group)
   2. score them, and in parallel recompute the rollout policy's  compute_reward      (reward group)
      log-probs and the reference's                               compute_log_prob / compute_ref_log_prob
   3. advantages: each response's reward against its group's      compute_advantage   (pure function)
@@ -9,7 +9,11 @@ Each step, for a batch of prompts:
 then validate / checkpoint on schedule. Between two steps with neither, step 1 of the next step is submitted while
 step 4 runs, waiting for it (``wait_for``): it starts as soon as the update ends, not after the flow has heard of it.
 With ``algorithm.rollout_correction.bypass_mode`` (verl's bypass mode) the rollout's own log-probs are the old
-policy's: step 2 has no ``compute_log_prob``.
+policy's: step 2 has no ``compute_log_prob``. With ``async_training.staleness`` = k, step 1 of the next k steps is
+submitted before step 4, which waits for it: those batches are sampled by the policy of before this update, and
+``rollout_correction`` weighs them against the policy that trains on them. With ``rollout.n_workers`` the rollout is
+a pool of its own: it gets the actor's weights after each update (``sync_rollout_weights``), and step 4 no longer waits
+for the generations ahead, which run beside it.
 Run it with ``rlflow train grpo --config demo``.
 """
 
@@ -41,13 +45,13 @@ CRITICAL_PATH = [["gen"], ["reward", "old_log_prob", "ref"], ["adv"], ["update_a
     flow_run_name=flow_run_name,
 )
 def grpo(config: RLConfig) -> dict:
-    run = start_run(config, "grpo", roles=("actor", "ref", "reward"))
-    actor, ref, reward = run.groups["actor"], run.groups["ref"], run.groups["reward"]
+    run = start_run(config, "grpo", roles=("actor", "rollout", "ref", "reward"))
+    actor, rollout, ref, reward = (run.groups[k] for k in ("actor", "rollout", "ref", "reward"))
     algorithm = config.algorithm.model_dump()
     bypass = config.algorithm.rollout_correction.bypass_mode
 
-    def generate(step, after=None):  # 1 for the prompts of `step`; once the futures `after` (an update) completed
-        return generate_sequences.submit(actor, run.next_prompts(), step, wait_for=after)
+    def generate(step, after=None):  # 1 for the prompts of `step`, once the futures `after` and the rollout are ready
+        return generate_sequences.submit(rollout, run.next_prompts(step), step, wait_for=run.rollout_ready(after))
 
     # the numbered comments line up with the steps of the module docstring
     # fmt: off
@@ -60,8 +64,11 @@ def grpo(config: RLConfig) -> dict:
                 old = [] if bypass else [compute_log_prob.submit(actor, gen, step)]
                 ref_lp = compute_ref_log_prob.submit(ref, gen, step)
                 batch = compute_advantage.submit(gen, [scores, *old, ref_lp], algorithm, run.kl_ctrl_state, step)  # 3
-                update = update_actor.submit(actor, batch, step)                                        # 4
-                # the next step's generation starts as soon as this update ends (when nothing is due in between)
+                # async_training.staleness = k: the next k steps' generations start now, on the weights of before
+                stale = run.submit_stale_ahead(step, gen, generate)
+                update = update_actor.submit(actor, batch, step, wait_for=stale or None)                # 4
+                run.sync_rollout_weights(step, update)  # a rollout pool of its own gets the new weights
+                # on-policy: the next step's generation starts as soon as this update ends (nothing due in between)
                 run.submit_ahead(step + 1, lambda: generate(step + 1, after=[update]))
                 result = update.result()
                 run.keep_kl_ctrl_state(result.kl_ctrl_state)

@@ -114,6 +114,13 @@ def generate_sequences(actor_rollout, prompts: DataProto, step: int) -> DataProt
     return actor_rollout.generate_sequences(prompts)
 
 
+@stage("sync_rollout_weights", IDEMPOTENT, timing="sync_weights")
+def sync_rollout_weights(actor, rollout, step: int) -> dict:
+    """A rollout pool of its own (``rollout.n_workers``) gets the actor's weights after ``step``'s update."""
+    rollout.set_policy_weights(actor.get_policy_weights()[0])
+    return {}
+
+
 @stage("compute_reward", IDEMPOTENT, timing="reward")
 def compute_reward(reward, batch: DataProto, step: int) -> DataProto:
     return reward.compute_rm_score(batch)

@@ -30,6 +30,7 @@ def test_overhead_bench_runs_both_measurements_and_prints_their_ratios(services)
     assert "CPU: " in done.stdout, done.stdout
     assert "ratio stock / warm per-task cost:" in done.stdout, done.stdout
     assert "controller share of the step (1 - plain / runner): WarmRayTaskRunner" in done.stdout, done.stdout
+    assert "WarmRayTaskRunner by round (the ways of a round back to back): " in done.stdout, done.stdout
     # the CPU each kind of process spent per step, each way: the workers' rows are there for all three ways
     table = done.stdout.split("CPU ms per step, by process", 1)[1].splitlines()
     workers = next(line for line in table if line.startswith("Ray worker actors (rlworkers)"))

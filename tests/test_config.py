@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flows.config import ConfigError, apply_overrides, flatten, load_config, resolve_preset
-from flows.controller.rows import dataset_rows
+from flows.controller.rows import RunInputs, dataset_rows
 from flows.controller.runtime import Run
 
 
@@ -63,7 +63,8 @@ def test_step_blocks_end_where_validation_or_a_checkpoint_is_due_and_rewind():
     config = load_config(
         "demo-sft", ["trainer.total_steps=11", "trainer.test_freq=5", "trainer.save_freq=3", "trainer.steps_per_task=4"]
     )
-    run = Run(config=config, algorithm="sft", root="", tokenizer=None, loader=None, val_rows=[], tracker=None)
+    inputs = RunInputs(train_rows=[], val_rows=[], eval_sets=[], template_kwargs={})
+    run = Run(config=config, algorithm="sft", root="", tokenizer=None, loader=None, inputs=inputs, tracker=None)
     assert list(run.step_blocks(4)) == [[1, 2, 3], [4, 5], [6], [7, 8, 9], [10], [11]]
     assert list(run.steps) == list(range(1, 12))
     blocks = run.step_blocks(4)

@@ -304,6 +304,94 @@ def test_rollout_correction_weighs_the_policy_loss_and_logs_verls_metrics(env, t
     assert all(norm < 1e-3 for norm in history("actor/grad_norm")), history("actor/grad_norm")
 
 
+def test_one_step_off_trains_each_batch_one_update_behind(env, tmp_path):
+    """async_training.staleness=1 in a GRPO run: step s+1's generation runs before step s's update (the Prefect
+    timeline shows it), so its batch is one update behind when trained (``async/staleness_max`` 1), except after the
+    step-2 checkpoint, where nothing is in flight (0 at step 3: the pipeline drains there and the checkpoint's data
+    position is 2 batches, as on-policy); rollout correction sees the drift: its KL against the policy of now
+    is larger on the stale steps than on the fresh ones (a large learning rate and a reward of distinct characters,
+    so that one update moves the policy)."""
+    reward = tmp_path / "distinct.py"
+    reward.write_text("def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n")
+    name = f"one-step-off-{uuid.uuid4().hex[:6]}"
+    config = small_config(
+        env, name, f"reward.reward_fn={reward}:score", "async_training.staleness=1", "actor.optim.lr=0.01",
+        "algorithm.rollout_correction.bypass_mode=false", "algorithm.rollout_correction.rollout_is=token",
+        "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=0",
+    )  # fmt: skip
+    state, _ = run_flow("grpo", config)
+    assert state.is_completed(), state.message
+    client, run = mlflow_run(name)
+
+    def history(key):
+        return [m.value for m in client.get_metric_history(run.info.run_id, key)]
+
+    assert history("async/staleness_max") == [0.0, 1.0, 0.0, 1.0]
+    kl = [abs(value) for value in history("rollout_corr/kl")]
+    assert min(kl[1], kl[3]) > 10 * max(kl[0], kl[2], 1e-9), kl
+    saved = read_json(f"{runs_root(config)}/checkpoints/step_2/trainer_state.json")
+    assert saved["loader"]["position"] == 2, saved["loader"]  # batches handed out: steps 1 and 2, none in flight
+    _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
+    started = {task_run.name: task_run.start_time for task_run in task_runs}
+    assert started["generate_sequences-step-2"] < started["update_actor-step-1"], started
+    assert started["generate_sequences-step-4"] < started["update_actor-step-3"], started
+    assert started["generate_sequences-step-3"] > started["update_actor-step-2"], started
+
+
+def test_a_rollout_pool_of_its_own_generates_beside_the_update_and_recovers_from_losing_its_worker(env, tmp_path):
+    """rollout.n_workers=1: the training generations run in a rollout worker of their own, which gets the actor's
+    weights after each update (a sync_rollout_weights task, none after the last step); one step off, step s+1's
+    generation runs while step s's update does (the timeline overlaps). The rollout samples with the weights sent to
+    it: after the step-2 checkpoint (nothing in flight) step 3's batch is on-policy, version 2 (staleness 0) and its
+    KL to the policy of now is as small as step 1's (the start weights both sides); the stale steps' KL is larger.
+    Then the same run with its rollout worker killed during step 3's generation: the run replaces it, restores the
+    step-2 checkpoint, sends it the weights, and ends with the same weights as the run without the fault (each
+    step's draws come from the step's seed)."""
+    reward = tmp_path / "distinct.py"
+    reward.write_text("def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n")
+    base = f"rollout-pool-{uuid.uuid4().hex[:6]}"
+    settings = (
+        f"reward.reward_fn={reward}:score", "rollout.n_workers=1", "async_training.staleness=1",
+        "actor.optim.lr=0.01", "algorithm.rollout_correction.bypass_mode=false",
+        "algorithm.rollout_correction.rollout_is=token", "trainer.total_steps=4", "trainer.save_freq=2",
+        "trainer.test_freq=0", "trainer.max_restarts=1",
+        "rollout.response_length=12",  # a generation long enough for the fault injector to find it running
+    )  # fmt: skip
+    name = f"{base}-clean"
+    state, _ = run_flow("grpo", small_config(env, name, *settings))
+    assert state.is_completed(), state.message
+    client, run = mlflow_run(name)
+
+    def history(key):
+        return [m.value for m in client.get_metric_history(run.info.run_id, key)]
+
+    assert history("async/staleness_max") == [0.0, 1.0, 0.0, 1.0]
+    kl = [abs(value) for value in history("rollout_corr/kl")]
+    assert min(kl[1], kl[3]) > 10 * max(kl[0], kl[2], 1e-9), kl
+    _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
+    runs = {task_run.name: task_run for task_run in task_runs}
+    assert sorted(n for n in runs if n.startswith("sync_rollout_weights")) == [
+        f"sync_rollout_weights-step-{step}" for step in (1, 2, 3)
+    ]
+    assert runs["generate_sequences-step-2"].start_time < runs["update_actor-step-1"].end_time, runs
+    assert runs["generate_sequences-step-4"].start_time < runs["update_actor-step-3"].end_time, runs
+
+    config = small_config(env, f"{base}-faults", *settings)
+    injector = Injector([(checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.generate_sequences",
+                          signal.SIGKILL)])  # fmt: skip
+    injector.start()
+    try:
+        state, _ = run_flow("grpo", config)
+    finally:
+        injector.stop()
+    assert len(injector.done) == 1 and state.is_completed(), state.message
+    client, run = mlflow_run(f"{base}-faults")
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "fault/restarts")] == [1]
+    clean = load_file(f"{env['runs']}/{base}-clean/final_model/model.safetensors")
+    recovered = load_file(f"{env['runs']}/{base}-faults/final_model/model.safetensors")
+    assert all(torch.equal(clean[k], recovered[k]) for k in clean)
+
+
 def test_a_rule_reward_scores_in_the_stage_as_a_reward_worker_does(env, tmp_path):
     """reward.num_workers=0 (the default for a rule): the compute_reward stage scores the generated batch itself,
     and no reward process ever starts; the scores are the ones a reward worker (reward.num_workers=1) gives, step

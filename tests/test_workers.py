@@ -127,6 +127,52 @@ def test_ref_matches_actor_until_the_actor_trains(worker):
     assert not torch.allclose(new[mask], out.batch["old_log_probs"][mask])  # the actor moved
 
 
+def test_an_update_measures_its_batchs_staleness_from_its_policy_version(worker):
+    """Each response carries its policy's number of updates (``policy_version``); an update reports how many updates
+    the policy has had since (``async/staleness_*``, async_training): 0 for a batch sampled just before, 1 for one
+    sampled before the last update."""
+    from rlworkers.workers.actor_rollout_ref import POLICY_VERSION
+
+    def with_advantages(out):
+        out.union(worker.compute_log_prob(out))
+        out.batch["advantages"] = torch.randn(len(out), 5) * out.batch["response_mask"]
+        return out
+
+    first, second = with_advantages(generated(worker)), with_advantages(generated(worker))
+    assert list(first.non_tensor_batch[POLICY_VERSION]) == [0] * 12
+    metrics = worker.update_actor(first).meta_info["metrics"]
+    assert metrics["async/staleness_mean"] == 0 and metrics["async/staleness_max"] == 0
+    metrics = worker.update_actor(second).meta_info["metrics"]  # sampled before the first update
+    assert metrics["async/staleness_mean"] == 1 and metrics["async/staleness_max"] == 1
+    assert list(generated(worker).non_tensor_batch[POLICY_VERSION]) == [2] * 12
+
+
+def test_a_rollout_worker_of_its_own_samples_with_the_actors_weights_sent_to_it(worker, tiny_path):
+    """``get_policy_weights`` / ``set_policy_weights`` (a rollout pool of its own, rollout.n_workers): after an
+    update, a rollout-only worker given the actor's weights draws, from the same seed, exactly what the actor draws,
+    stamped with the actor's number of updates; before, it drew from the start weights."""
+    from rlworkers.workers.actor_rollout_ref import POLICY_VERSION
+
+    rollout = ActorRolloutRefWorker(worker_config(tiny_path), role="rollout")
+    rollout.init_model()
+    batch = prompt_batch(ROWS["validation"][:6], worker.tokenizer)
+    batch.meta_info.update(n=2, seed=11)
+    out = generated(worker)
+    out.union(worker.compute_log_prob(out))
+    out.batch["advantages"] = torch.randn(len(out), 5) * out.batch["response_mask"]
+    worker.update_actor(out)
+    stale = rollout.generate_sequences(batch)
+    assert list(stale.non_tensor_batch[POLICY_VERSION]) == [0] * 12
+    rollout.set_policy_weights(worker.get_policy_weights())
+    ours, actors = rollout.generate_sequences(batch), worker.generate_sequences(batch)
+    assert torch.equal(ours.batch["responses"], actors.batch["responses"])
+    assert torch.equal(ours.batch["rollout_log_probs"], actors.batch["rollout_log_probs"])
+    assert not torch.equal(stale.batch["rollout_log_probs"], ours.batch["rollout_log_probs"])
+    assert list(ours.non_tensor_batch[POLICY_VERSION]) == [1] * 12
+    with pytest.raises(RuntimeError, match="rollout \\(without actor\\)"):
+        worker.set_policy_weights(worker.get_policy_weights())
+
+
 def test_kl_loss_and_gspo_paths(tiny_path):
     w = ActorRolloutRefWorker(
         worker_config(tiny_path, actor={"use_kl_loss": True, "policy_loss": "gspo", "ppo_mini_batch_size": 12})

@@ -201,7 +201,8 @@ def release_group(group: RayWorkerGroup, keep: bool = False) -> None:
 
 def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup | RuleReward]:
     """The worker groups of ``roles``, built at once: their processes start and load the model in parallel. The
-    reference may share the actor's group (``trainer.colocate_ref``); a rule reward is a ``RuleReward`` that the
+    reference may share the actor's group (``trainer.colocate_ref``), and so does the rollout unless it has a pool of
+    its own (``rollout.n_workers``); a rule reward is a ``RuleReward`` that the
     compute_reward stage calls itself (``reward.num_workers=0``, the default for rules)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -219,6 +220,16 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
                 "config": worker_config,
                 "role": "actor_rollout_ref" if colocate_ref else "actor_rollout",
                 "env": sharded_on_cpu_env(config.actor.strategy, trainer.device),
+                "reusable": config.rollout.name != "vllm",
+            },
+        ),
+        "rollout": (
+            ActorRolloutRefWorker,
+            config.rollout.n_workers,
+            {
+                "use_gpu": use_gpu,
+                "config": worker_config,
+                "role": "rollout",
                 "reusable": config.rollout.name != "vllm",
             },
         ),
@@ -241,7 +252,8 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
     # a rule reward scores in the compute_reward stage (reward.num_workers=0): loaded here, before any worker starts
     in_stage = "reward" in roles and not config.reward.worker_count
     rule_reward = RuleReward(config.reward, model_path).load() if in_stage else None
-    no_group_of_its_own = {"ref": colocate_ref, "reward": rule_reward is not None}
+    rollout_in_actor = "rollout" in roles and not config.rollout.n_workers  # the actor's processes generate
+    no_group_of_its_own = {"ref": colocate_ref, "reward": rule_reward is not None, "rollout": rollout_in_actor}
     wanted = [role for role in plans if role in roles and not no_group_of_its_own.get(role)]
     keys = [plan_key(*plans[role]) for role in wanted]
     kept = dict(zip(wanted, take_kept_groups(keys)))  # the last run's groups of this process, where they fit
@@ -264,6 +276,8 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
         raise errors[0]
     if colocate_ref and "ref" in roles:
         groups["ref"] = groups["actor"]  # one group in two roles (Run.distinct_groups lists it once)
+    if rollout_in_actor:
+        groups["rollout"] = groups["actor"]
     if rule_reward is not None:
         groups["reward"] = rule_reward
     return groups

@@ -11,7 +11,7 @@ from datetime import datetime
 from prefect import get_run_logger
 from prefect.exceptions import UnfinishedRun
 
-from flows.controller.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore
+from flows.controller.run_checkpoints import STATEFUL_ROLES, checkpoint_root, restore, send_rollout_weights
 from flows.controller.run_state import RunState, TrainState
 from flows.stages import is_task_run_of_step
 from rlworkers.checkpoint import CheckpointSaveError, find_latest_checkpoint, read_json
@@ -80,6 +80,7 @@ def recover(run: RunState, step: int, error: Exception) -> TrainState:
             state = restore(run, checkpoint[0], read_json(f"{checkpoint[0]}/trainer_state.json"))
         else:
             state = run.initial_state
+            send_rollout_weights(run)
     except Exception as during_recovery:  # another worker lost while recovering: one more fault
         return recover(run, step, during_recovery)
     seconds = time.perf_counter() - started

@@ -62,5 +62,13 @@ def restore(run: RunState, path: str, trainer_state: dict) -> TrainState:
     for role in STATEFUL_ROLES:
         if role in run.groups:
             run.groups[role].load_checkpoint(f"{path}/{role}")
+    send_rollout_weights(run)
     run.checkpointed(path)
     return TrainState.from_checkpoint(trainer_state)
+
+
+def send_rollout_weights(run: RunState) -> None:
+    """A rollout pool of its own samples with the actor's weights as they are now (after a restore, or after a
+    fault rebuilt the actor from the start model); its own are not in a checkpoint."""
+    if run.rollout_of_its_own():
+        run.groups["rollout"].set_policy_weights(run.groups["actor"].get_policy_weights()[0])

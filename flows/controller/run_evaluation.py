@@ -50,7 +50,7 @@ def validate(run: RunState, step: int) -> dict[str, float]:
     training reward: ``val/...`` metrics and a table of samples in MLflow. At step 0 and at the last step it also
     records the results of the implicit eval set (no ``eval.sets`` configured: the validation rows themselves)."""
     data = run.config.data
-    rows = run.val_rows[: data.val_batch_size or len(run.val_rows)]
+    rows = run.inputs.val_rows[: data.val_batch_size or len(run.inputs.val_rows)]
     prompts = run.prompt_batch([conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in rows])
     out = stages.validate.submit(run.groups["actor"], run.groups["reward"], prompts, step).result()
     scores = out.non_tensor_batch["score"].astype(float)
@@ -75,7 +75,7 @@ def validate(run: RunState, step: int) -> dict[str, float]:
         run.tracker.log_table(samples, f"samples/step_{step:06d}.json")
     run.tracker.log_metrics(metrics, step)
     run.record_val_score(step, metrics["val/score/mean"])
-    implicit = run.eval_sets[0] if run.eval_sets and run.eval_sets[0].scorer is None else None
+    implicit = run.inputs.eval_sets[0] if run.inputs.eval_sets and run.inputs.eval_sets[0].scorer is None else None
     if implicit and step in (0, run.config.trainer.total_steps):  # validation is the evaluation
         record_results(run, implicit, evaluation.label_of(step), step, out, responses)
     return metrics
@@ -84,7 +84,7 @@ def validate(run: RunState, step: int) -> dict[str, float]:
 def saved_results(run: RunState, label: str) -> dict[str, evaluation.EvalResults] | None:
     """The results of ``label`` on every eval set, read back from the run folder; ``None`` if one is missing."""
     step = 0 if label == "start" else run.config.trainer.total_steps
-    found = {s.name: evaluation.read_results(run.root, label, s, step) for s in run.eval_sets}
+    found = {s.name: evaluation.read_results(run.root, label, s, step) for s in run.inputs.eval_sets}
     return found if all(found.values()) else None
 
 
@@ -93,7 +93,7 @@ def evaluate(run: RunState, step: int) -> dict[str, evaluation.EvalResults]:
     read back when an earlier attempt already evaluated it (flows/lineages/evaluation.py)."""
     label = evaluation.label_of(step)
     results = {}
-    for eval_set in run.eval_sets:
+    for eval_set in run.inputs.eval_sets:
         saved = evaluation.read_results(run.root, label, eval_set, step)
         if saved is None and eval_set.scorer is None:
             validate(run, step)  # the implicit set is scored by validation, which records it

@@ -73,7 +73,7 @@ def candidate(run: RunState, version: str, final: dict[str, evaluation.EvalResul
     run's eval settings (its eval set changed, or it was promoted by hand from elsewhere): evaluate it now, in this
     run, and point its eval tags at the new results, so the next run of the lineage reuses them."""
     primary = run.config.eval.primary_set
-    eval_set = next(s for s in run.eval_sets if s.name == primary)
+    eval_set = next(s for s in run.inputs.eval_sets if s.name == primary)
 
     def reevaluate(champion) -> evaluation.EvalResults:
         get_run_logger().info(

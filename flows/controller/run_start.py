@@ -14,11 +14,11 @@ from prefect import get_run_logger
 
 from flows.config import RLConfig, flatten, runs_root
 from flows.controller.groups import build_groups, flow_task_runner, ray_settings, reap_orphaned_ray_agents
-from flows.controller.rows import chat_template_kwargs, check_ground_truth, dataset_rows, read_rows, row_location
+from flows.controller.rows import read_inputs
 from flows.controller.run_checkpoints import checkpoint_root, restore
 from flows.controller.runtime import Run, end_status, raise_the_stop_behind
 from flows.controller.startup import StartupClock, run_clock
-from flows.lineages import evaluation, lineage
+from flows.lineages import lineage
 from flows.lineages.run_lock import one_run_at_a_time
 from flows.plumbing.tracking import (
     ProgressArtifact,
@@ -33,16 +33,12 @@ from rlworkers.checkpoint import (
     write_json,
 )
 from rlworkers.data.batching import TokenCache
-from rlworkers.data.chat import conversation_as_prompt, is_chat
 from rlworkers.data.datasets import PromptDataLoader
 from rlworkers.models import lora
 from rlworkers.models.loading import base_model_path, load_tokenizer, resolve_model_path
-from rlworkers.rewards import load_reward_fn
 from rlworkers.storage import is_remote
 from rlworkers.workers import memory
 from rlworkers.workers.common import EMULATED_BF16_SLOWDOWN, resolve_autocast
-from rlworkers.workers.config import RewardConfig
-from rlworkers.workers.reward import RuleReward
 
 
 def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Run:
@@ -65,23 +61,23 @@ def start_run(config: RLConfig, algorithm: str, *, roles: tuple[str, ...]) -> Ru
     )
     check_runs_dir_writable(config)
     lock = contextlib.ExitStack()  # held until Run.close: one run of a lineage at a time (flows/lineages/run_lock.py)
-    lock.enter_context(one_run_at_a_time(config.trainer.lineage, config.trainer.run_name, runs_root(config)))
+    root = runs_root(config)
+    lock.enter_context(one_run_at_a_time(config.trainer.lineage, config.trainer.run_name, root))
     clock.mark("checks")
     try:
-        return _start_holding_the_lock(config, algorithm, roles, clock, lock)
+        return _start_holding_the_lock(config, algorithm, roles, root, clock, lock)
     except BaseException:
         lock.close()
         raise
 
 
 def _start_holding_the_lock(
-    config: RLConfig, algorithm: str, roles: tuple[str, ...], clock: StartupClock, lock: contextlib.ExitStack
+    config: RLConfig, algorithm: str, roles: tuple[str, ...], root: str, clock: StartupClock, lock: contextlib.ExitStack
 ) -> Run:
     reap_orphaned_ray_agents()
     flow_task_runner().start_ray(*ray_settings(config.trainer.ray_address, config.trainer.ray_num_cpus))
     clock.mark("ray")
     name = config.trainer.run_name
-    root = runs_root(config)
     crashes = lineage.check_restart_budget(config.trainer.max_crash_restarts)
     links = prefect_flow_run_links()
     record = lineage.RunRecord.read(root)
@@ -118,19 +114,9 @@ def _start_holding_the_lock(
         model_uri, model_dir = _start_model(config)
     else:
         model_uri, model_dir = record.model_uri, record.model_dir
-    tokenizer = TokenCache(load_tokenizer(model_dir))  # the length check below tokenizes every prompt once
-    checked = tokenizer if algorithm != "sft" else None  # SFT rows are prompt + response, cut by the tokenizer
-    train_rows, val_rows = dataset_rows(config, "train", checked), dataset_rows(config, "validation", checked)
-    template_kwargs = chat_template_kwargs(config)
-    eval_sets = evaluation.resolve_sets(
-        config, val_rows, lambda files: read_rows(config, files, checked), template_kwargs
-    )
-    check_rows_fit(config, algorithm, tokenizer, model_dir, train_rows, val_rows)
-    check_agent_fits(config, tokenizer, model_dir, train_rows, val_rows)
+    tokenizer = TokenCache(load_tokenizer(model_dir))  # the length check tokenizes every prompt once
+    inputs = read_inputs(config, algorithm, tokenizer, model_dir)
     check_memory_fits(config, roles, model_dir)
-    for eval_set in eval_sets:  # a scorer that does not load fails here, before any worker starts
-        if eval_set.scorer is not None:
-            RuleReward(RewardConfig(reward_fn=eval_set.scorer), model_dir).load()
 
     clock.mark("data")
     experiment = config.trainer.lineage or config.trainer.project_name
@@ -141,7 +127,7 @@ def _start_holding_the_lock(
     }
     if record is None:
         tracker, record = _new_record(
-            config, algorithm, experiment, tags, links.get("prefect.flow_run_id"), model_uri, model_dir
+            config, algorithm, root, experiment, tags, links.get("prefect.flow_run_id"), model_uri, model_dir
         )
     else:
         tracker = Tracker(experiment, name, run_id=record.mlflow_run_id, tags=tags)
@@ -149,8 +135,9 @@ def _start_holding_the_lock(
     publish_mlflow_link(name, tracker.url)
 
     clock.mark("tracking")
+    data = config.data
     loader = PromptDataLoader(
-        train_rows, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.trainer.seed
+        inputs.train_rows, batch_size=data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
     )
     run = Run(
         config=config,
@@ -159,9 +146,8 @@ def _start_holding_the_lock(
         root=root,
         tokenizer=tokenizer,
         loader=loader,
-        val_rows=val_rows,
+        inputs=inputs,
         tracker=tracker,
-        eval_sets=eval_sets,
         record=record,
         startup=clock,
     )
@@ -225,56 +211,6 @@ def record_precision(actor, tracker: Tracker) -> None:
     tracker.set_tags({"rlflow.precision": f"{report['autocast']}: {report['reason']}"})
 
 
-def check_rows_fit(config: RLConfig, algorithm: str, tokenizer, model_dir: str, train_rows, val_rows) -> None:
-    """What the rows need of the reward and the tokenizer, checked before anything starts: a ground truth for every
-    row when the reward compares with one (validation rows only for SFT, which trains on responses), and a chat
-    template when SFT rows hold chat messages (prompts are checked when they are tokenized above)."""
-    if config.reward.reward_model is None:
-        reward_fn = load_reward_fn(config.reward.reward_fn)
-        data = config.data  # validation asks an SFT conversation's last question, its answer the ground truth
-        validated = [conversation_as_prompt(row, data.prompt_key, data.messages_key) for row in val_rows]
-        for split, rows in (("train", train_rows), ("validation", validated)):
-            if split == "validation" or algorithm != "sft":
-                check_ground_truth(config, reward_fn, rows, split)
-    if algorithm == "sft" and not getattr(tokenizer, "chat_template", None):
-        data = config.data
-        for index, row in enumerate(train_rows):
-            column = next((k for k in (data.messages_key, data.prompt_key) if is_chat(row.get(k))), None)
-            if column:
-                raise ValueError(
-                    f"{row_location(config, 'train', index)}: column {column!r} holds chat messages and the "
-                    f"tokenizer of {model_dir} has no chat template to render them. Fix: a chat model (or a "
-                    "tokenizer with a chat_template), or prompt/response strings"
-                )
-
-
-def check_agent_fits(config: RLConfig, tokenizer, model_dir: str, train_rows, val_rows) -> None:
-    """A multi-turn run (``rollout.multi_turn``), checked before anything starts: its tools and environment load,
-    the tokenizer has a chat template to render the turns, and every prompt is chat messages."""
-    multi_turn = config.rollout.multi_turn
-    if not multi_turn.enable:
-        return
-    from rlworkers.agents.environment import load_environment_class
-
-    chat_template_kwargs(config)  # loads the tools (their schemas): a bad spec or tool config fails here
-    if multi_turn.environment:
-        load_environment_class(multi_turn.environment)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"rollout.multi_turn needs a chat template to render the turns, and the tokenizer of {model_dir} has none. "
-            "Fix: a chat (instruct) model, e.g. model.path=smollm2-135m-instruct"
-        )
-    key = config.data.prompt_key
-    for split, rows in (("train", train_rows), ("validation", val_rows)):
-        for index, row in enumerate(rows):
-            if not is_chat(row.get(key)):
-                raise ValueError(
-                    f"{row_location(config, split, index)}: column {key!r} is a string; rollout.multi_turn continues "
-                    "a conversation, so prompts must be chat messages ([{'role': 'user', 'content': ...}]). Fix: "
-                    "store the prompts as messages (data.task.prompt_format=chat for the built-in task)"
-                )
-
-
 class NotEnoughMemory(RuntimeError):
     """The workers of this run would hold more than this machine's memory before computing anything."""
 
@@ -310,7 +246,7 @@ def check_memory_fits(config: RLConfig, roles: tuple[str, ...], model_dir: str) 
     fix += ", more workers, or a machine with more memory"
     held = "; ".join(
         f"{m.workers} {role} worker(s) x {memory.gib(m.bytes_per_worker())} ({m.strategy})"
-        for role, m in zip(("actor", "critic"), models)
+        for role, m in zip(_trained_roles(config, roles), models)
     )
     raise NotEnoughMemory(
         f"this run needs at least {memory.gib(need)} before any activation ({parameters / 1e9:.2f}B parameters; "
@@ -321,7 +257,8 @@ def check_memory_fits(config: RLConfig, roles: tuple[str, ...], model_dir: str) 
 def _trained_models(
     config: RLConfig, roles, parameters: int, actor_strategy: str, critic_strategy: str, gather: bool | None = None
 ) -> list:
-    """The groups' models as ``memory.TrainedModel``: the actor (with its colocated reference), the critic."""
+    """The groups' models as ``memory.TrainedModel``: the actor (with its colocated reference), the critic, a rollout
+    pool of its own."""
     colocated = config.trainer.colocate_ref and "ref" in roles and not config.actor.lora.enabled
     if gather is None:
         gather = config.actor.fsdp_config.gather_for_generation
@@ -336,7 +273,15 @@ def _trained_models(
     if "critic" in roles:
         critic = config.critic.model or config.model
         models.append(memory.TrainedModel(parameters, parameters, critic.dtype, critic_strategy, n))
+    if "rollout" in _trained_roles(config, roles):  # a pool of its own: the weights, nothing trained
+        models.append(memory.TrainedModel(parameters, 0, config.model.dtype, "ddp", config.rollout.n_workers))
     return models
+
+
+def _trained_roles(config: RLConfig, roles) -> list[str]:
+    """The roles ``_trained_models`` lists, in its order."""
+    own_rollout = "rollout" in roles and config.rollout.n_workers
+    return ["actor", *(["critic"] if "critic" in roles else []), *(["rollout"] if own_rollout else [])]
 
 
 class CheckpointMismatch(RuntimeError):
@@ -426,6 +371,7 @@ def _start_model(config: RLConfig) -> tuple[str, str]:
 def _new_record(
     config: RLConfig,
     algorithm: str,
+    root: str,
     experiment: str,
     tags: dict,
     flow_run_id: str | None,
@@ -465,5 +411,5 @@ def _new_record(
         parent_run_id=parent.info.run_id if parent else None,
         data_cursor=cursor,
     )
-    record.write(runs_root(config))
+    record.write(root)
     return tracker, record

@@ -14,9 +14,9 @@ from prefect import get_run_logger
 
 from flows.config import RLConfig
 from flows.controller.groups import release_group
-from flows.controller.rows import chat_template_kwargs
+from flows.controller.rows import RunInputs
 from flows.controller.startup import StartupClock
-from flows.lineages import evaluation, lineage
+from flows.lineages import lineage
 from flows.plumbing.tracking import ProgressArtifact, TerminalProgress, Tracker
 from rlworkers.data.batching import prompt_batch, sft_batch
 from rlworkers.data.datasets import PromptDataLoader
@@ -46,7 +46,7 @@ class TrainState:
 @dataclass
 class RunState:
     """What one training run holds inside its flow: what ``start_run`` built it from (config, folder, tokenizer,
-    data, eval sets, tracker, worker groups) and its loop's bookkeeping. ``flows.controller.runtime.Run`` is this with
+    inputs, tracker, worker groups) and its loop's bookkeeping. ``flows.controller.runtime.Run`` is this with
     the loop; the modules the loop calls (checkpoints, recovery, evaluation, publishing, promotion) take a
     ``RunState``."""
 
@@ -55,9 +55,8 @@ class RunState:
     root: str
     tokenizer: object
     loader: PromptDataLoader
-    val_rows: list[dict]
+    inputs: RunInputs  # its rows, eval sets and prompt rendering, read and checked before it started
     tracker: Tracker
-    eval_sets: list[evaluation.EvalSet] = field(default_factory=list)
     groups: dict[str, RayWorkerGroup | RuleReward] = field(default_factory=dict)  # by role (see groups.build_groups)
     start_step: int = 1  # the first step left to train (after the state the run rewound to: ``rewind``)
     kl_ctrl_state: dict | None = None  # the adaptive KL controller's, after the last step (``keep_kl_ctrl_state``)
@@ -75,6 +74,7 @@ class RunState:
     step_started_at: datetime | None = None  # wall clock at the start of the current step's attempt
     last_step_end: float | None = None  # perf_counter when the step before ended (its validation and checkpoint too)
     ahead: dict[int, object] = field(default_factory=dict)  # step -> its first stage, submitted by the step before
+    weights_synced: object | None = None  # a rollout pool of its own: the last update's weights sent to it (future)
     warned_clipped: bool = False  # a training step's responses were mostly cut by rollout.response_length (said once)
     startup: StartupClock | None = (
         None  # the start-up's phases (flows/controller/startup.py), logged once the loop starts
@@ -116,8 +116,14 @@ class RunState:
         return len(self.faults)
 
     def drop_submitted_ahead(self) -> None:
-        """Forget the stages submitted ahead (``ahead``): after a failed step they never run, and steps rewind."""
+        """Forget the stages submitted ahead (``ahead``) and the last weights sent to a rollout pool of its own: after
+        a failed step they never run, steps rewind, and the recovery sends the rollout the weights it restored."""
         self.ahead.clear()
+        self.weights_synced = None
+
+    def rollout_of_its_own(self) -> bool:
+        """Whether the rollout runs on a pool of its own (``rollout.n_workers``) rather than in the actor's workers."""
+        return self.groups.get("rollout") not in (None, self.groups.get("actor"))
 
     def use_workers(self, groups: dict) -> None:
         """The run's worker groups, by role (``flows.controller.groups.build_groups``)."""
@@ -135,8 +141,14 @@ class RunState:
             get_run_logger().info("epoch %d of the training data done: starting epoch %d", epoch, self.loader.epoch)
         return rows
 
-    def next_prompts(self):
-        return self.prompt_batch(self.next_rows())
+    def next_prompts(self, step: int | None = None):
+        """The next batch of prompts; for ``step``'s generation on a rollout pool of its own, with the step's seed:
+        those workers' random state is in no checkpoint, so their draws come from (``trainer.seed``, step, rank), and
+        a resumed or recovered run samples what a straight one did."""
+        prompts = self.prompt_batch(self.next_rows())
+        if step is not None and self.rollout_of_its_own():
+            prompts.meta_info["seed"] = self.config.trainer.seed + step
+        return prompts
 
     def prompt_batch(self, rows: list[dict]):
         data = self.config.data
@@ -147,7 +159,7 @@ class RunState:
             answer_key=data.answer_key,
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,
-            chat_template_kwargs=chat_template_kwargs(self.config),
+            chat_template_kwargs=self.inputs.template_kwargs,
         )
 
     def next_sft_batch(self):
@@ -158,7 +170,7 @@ class RunState:
             prompt_key=data.prompt_key,
             response_key=data.response_key,
             conversation_key=data.messages_key,
-            chat_template_kwargs=chat_template_kwargs(self.config),
+            chat_template_kwargs=self.inputs.template_kwargs,
         )
 
     def warn_if_clipped(self, where: str, clip_ratio: float, references_fit: bool = False) -> bool:

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 
 from prefect import get_run_logger
 
+from flows import stages
 from flows.controller import run_checkpoints, run_evaluation, startup
 from flows.controller.groups import ray_outlives_the_run
 from flows.controller.recovery import recover
@@ -101,7 +102,7 @@ class Run(RunState):
         clip_ratio = metrics.get("response_length/clip_ratio", 0.0)
         if clip_ratio > CLIPPED_WARNING_RATIO and not self.warned_clipped:  # the task's answers: validation's rows
             data, length = self.config.data, self.config.rollout.response_length
-            fit = run_evaluation.reference_answers_fit(self.val_rows, self.tokenizer, length, data)
+            fit = run_evaluation.reference_answers_fit(self.inputs.val_rows, self.tokenizer, length, data)
             self.warned_clipped = self.warn_if_clipped(f"step {step}", clip_ratio, fit)
         self.tracker.log_metrics(metrics, step, wait=False)  # sent in order by MLflow's thread; close() waits
         self.last_metrics = metrics
@@ -173,9 +174,41 @@ class Run(RunState):
         """Submit ``step``'s first stage (``submit()``) while the step before it still runs, to start as soon as that
         one's last stage ends (``wait_for``) instead of after the flow has heard of it and logged the step. Not when
         a validation or checkpoint is due in between (they need the workers, the data loader and the RNG as the step
-        leaves them) or there is no such step. ``step`` takes it with ``submitted_ahead``."""
-        if step <= self.config.trainer.total_steps and not self.due_after(step - 1):
+        leaves them), there is no such step, or it was submitted already (``submit_stale_ahead``). ``step`` takes it
+        with ``submitted_ahead``."""
+        if step <= self.config.trainer.total_steps and not self.due_after(step - 1) and step not in self.ahead:
             self.ahead[step] = submit()
+
+    def submit_stale_ahead(self, step: int, gen, generate: Callable[[int, list], object]) -> list:
+        """``async_training.staleness`` = k > 0: submit, before ``step``'s update, the generation of each of the next k
+        steps not submitted yet (``generate(step, after)``: each after the one before it, the first after ``gen``,
+        this step's, so the rollout samples in step order); each then trains k versions after the policy that sampled
+        it. None across a validation or a checkpoint due in between (as ``submit_ahead``): the pipeline drains there,
+        and refills after. Returns what the update must wait for: on one pool, these generations (they run on the
+        actor's workers, before it changes the weights); on a rollout pool of its own, nothing (they run beside it)."""
+        submitted = []
+        for ahead in range(step + 1, step + self.config.async_training.staleness + 1):
+            if ahead > self.config.trainer.total_steps or self.due_after(ahead - 1):
+                break
+            if ahead not in self.ahead:
+                self.ahead[ahead] = generate(ahead, [self.ahead.get(ahead - 1, gen)])
+                submitted.append(self.ahead[ahead])
+        return [] if self.rollout_of_its_own() else submitted
+
+    def sync_rollout_weights(self, step: int, update) -> None:
+        """A rollout pool of its own: send it the weights of ``step``'s ``update`` once that ends and the generations
+        in flight (which sample with the weights of before) are done; later generations wait for it
+        (``rollout_ready``). Nothing to do when the actor's workers generate, or after the last step."""
+        if self.rollout_of_its_own() and step < self.config.trainer.total_steps:
+            in_flight = [future for ahead, future in self.ahead.items() if ahead > step]
+            self.weights_synced = stages.sync_rollout_weights.submit(
+                self.groups["actor"], self.groups["rollout"], step, wait_for=[update, *in_flight]
+            )
+
+    def rollout_ready(self, after: list | None = None) -> list | None:
+        """What a generation submitted now waits for: the futures ``after``, and the last weights sent to a rollout
+        pool of its own (None: nothing)."""
+        return [*(after or []), *([self.weights_synced] if self.weights_synced is not None else [])] or None
 
     def submitted_ahead(self, step: int):
         """The first stage of ``step`` when ``submit_ahead`` submitted it during the step before, else None."""

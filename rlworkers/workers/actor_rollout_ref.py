@@ -44,6 +44,7 @@ from rlworkers.workers.rollout import build_rollout, sampling_request
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref")
+POLICY_VERSION = "policy_version"  # the column of a generated batch: its policy's number of updates
 
 
 class ActorRolloutRefWorker(Worker):
@@ -145,13 +146,17 @@ class ActorRolloutRefWorker(Worker):
         gathered = fsdp.gathered(self.model) if gather else contextlib.nullcontext()
         with self._autocast() if hf else contextlib.nullcontext(), gathered, self._own_random_state(prompts) as prompts:
             if self.agent_loop is None:
-                return self.rollout.generate_sequences(prompts).to("cpu")
-            request = sampling_request(prompts, self.config.rollout)  # several turns, tools between them
-            return self.agent_loop.generate_sequences(
-                request.prompts,
-                request.response_length,
-                lambda contexts, budgets: self.rollout.generate_turns(contexts, budgets, request),
-            ).to("cpu")
+                out = self.rollout.generate_sequences(prompts).to("cpu")
+            else:
+                request = sampling_request(prompts, self.config.rollout)  # several turns, tools between them
+                out = self.agent_loop.generate_sequences(
+                    request.prompts,
+                    request.response_length,
+                    lambda contexts, budgets: self.rollout.generate_turns(contexts, budgets, request),
+                ).to("cpu")
+        # which policy sampled each response: the number of updates its weights have had (async_training.staleness)
+        out.non_tensor_batch[POLICY_VERSION] = np.full(len(out), self.update_steps, dtype=np.int64)
+        return out
 
     @contextlib.contextmanager
     def _own_random_state(self, prompts: DataProto):
@@ -225,6 +230,10 @@ class ActorRolloutRefWorker(Worker):
         mini_size = common.per_rank_batch_size(cfg.ppo_mini_batch_size, self.world_size, "actor.ppo_mini_batch_size")
         generator = torch.Generator().manual_seed(self.config.seed + self.update_steps)
         metrics = defaultdict(list)
+        if POLICY_VERSION in data.non_tensor_batch:  # updates since the policy that sampled the batch
+            staleness = self.update_steps - data.non_tensor_batch[POLICY_VERSION].astype(np.int64)
+            metrics["async/staleness_mean"].append(float(staleness.mean()))
+            metrics["async/staleness_max"].append(float(staleness.max()))
         self.module.train()
         for _ in range(cfg.ppo_epochs):
             for mini in common.mini_batches(data, mini_size, cfg.shuffle, generator):
@@ -449,6 +458,30 @@ class ActorRolloutRefWorker(Worker):
             self.update_steps = saved["update_steps"]
             if "rng" in saved:
                 common.set_rng_state(common.rng_state_from_tensors(saved["rng"]))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_policy_weights(self) -> dict | None:
+        """The policy's weights on the CPU and their version (its number of updates), from rank 0 (None on the
+        others; a sharded policy is gathered, every rank takes part): what a rollout pool of its own loads
+        (``set_policy_weights``)."""
+        self._require(self._is_actor, "get_policy_weights", "actor")
+        if fsdp.is_sharded(self.model):
+            weights = fsdp.full_state_dict(self.model)
+        elif self.rank == 0:
+            weights = {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
+        return {"weights": weights, "version": self.update_steps} if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_policy_weights(self, policy: dict) -> None:
+        """A rollout worker of a pool of its own: sample with the actor's weights of ``policy``
+        (``get_policy_weights``) from now on, its responses stamped with their version."""
+        self._require(self._is_rollout and not self._is_actor, "set_policy_weights", "rollout (without actor)")
+        missing, unexpected = self.model.load_state_dict(policy["weights"], strict=False)
+        missing = [name for name in missing if not name.endswith("lm_head.weight")]  # tied embeddings
+        if missing or unexpected:
+            raise ValueError(f"the actor's weights do not match the rollout's model ({missing[:5]}, {unexpected[:5]})")
+        self.update_steps = policy["version"]  # the updates these weights have had
+        self._sync_rollout_weights()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_weights_checksum(self) -> float:

@@ -114,6 +114,12 @@ class RolloutConfig(_Frozen):
     n: int = Field(1, gt=0, description="samples per prompt (rows come back interleaved: a a b b)")
     do_sample: bool = True
     log_prob_micro_batch_size_per_gpu: int = Field(64, gt=0)
+    n_workers: int = Field(
+        0,
+        ge=0,
+        description="processes of a rollout pool of its own (verl's one-step-off rollout.n_gpus_per_node x nnodes), "
+        "which gets the actor's weights after each update; 0: the rollout runs in the actor's processes",
+    )
     # vLLM only (rollout.name: vllm); see rlworkers/workers/rollout/vllm_rollout.py
     stop: list[str] | None = Field(None, description="strings that end a response (vLLM only; the response keeps them)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory vLLM may take")

@@ -53,7 +53,8 @@ from rlworkers.workers.config import ModelConfig, RewardConfig
 
 logger = logging.getLogger(__name__)
 
-INTERNAL_COLUMNS = ("uid", "raw_prompt")  # not passed as columns (raw_prompt is the ``prompts`` argument)
+# not passed as columns (raw_prompt is the ``prompts`` argument; policy_version says which policy sampled a response)
+INTERNAL_COLUMNS = ("uid", "raw_prompt", "policy_version")
 REWARD_OUTPUT_COLUMNS = ("score",)  # written by rewards, with every column under REWARD_EXTRA_PREFIX
 REWARD_EXTRA_PREFIX = "reward_extra/"
 
