@@ -279,12 +279,10 @@ def test_rollout_correction_weighs_the_policy_loss_and_logs_verls_metrics(env, t
     seq_max_k3 <= 10); truncated at 1e-6, every token's weight is 1e-6, and so is the policy gradient (a reward of
     distinct characters: the advantages are not zero; no KL loss and no entropy bonus, so the policy loss is all the
     gradient there is: its norm is ~4 without the weights on the tiny model, ~4e-6 with them)."""
-    reward = tmp_path / "distinct.py"
-    reward.write_text("def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n")
     name = f"rollout-corr-{uuid.uuid4().hex[:6]}"
     correction = "algorithm.rollout_correction"
     config = small_config(
-        env, name, f"reward.reward_fn={reward}:score", "actor.use_kl_loss=false", "actor.entropy_coeff=0",
+        env, name, distinct_reward(tmp_path), "actor.use_kl_loss=false", "actor.entropy_coeff=0",
         f"{correction}.bypass_mode=false", f"{correction}.rollout_is=token", f"{correction}.rollout_is_threshold=1e-6",
         f"{correction}.rollout_rs=seq_max_k3", f"{correction}.rollout_rs_threshold=10",
         "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
@@ -311,11 +309,9 @@ def test_one_step_off_trains_each_batch_one_update_behind(env, tmp_path):
     position is 2 batches, as on-policy); rollout correction sees the drift: its KL against the policy of now
     is larger on the stale steps than on the fresh ones (a large learning rate and a reward of distinct characters,
     so that one update moves the policy)."""
-    reward = tmp_path / "distinct.py"
-    reward.write_text("def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n")
     name = f"one-step-off-{uuid.uuid4().hex[:6]}"
     config = small_config(
-        env, name, f"reward.reward_fn={reward}:score", "async_training.staleness=1", "actor.optim.lr=0.01",
+        env, name, distinct_reward(tmp_path), "async_training.staleness=1", "actor.optim.lr=0.01",
         "algorithm.rollout_correction.bypass_mode=false", "algorithm.rollout_correction.rollout_is=token",
         "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=0",
     )  # fmt: skip
@@ -347,11 +343,9 @@ def test_a_rollout_pool_of_its_own_generates_beside_the_update_and_recovers_from
     Then the same run with its rollout worker killed during step 3's generation: the run replaces it, restores the
     step-2 checkpoint, sends it the weights, and ends with the same weights as the run without the fault (each
     step's draws come from the step's seed)."""
-    reward = tmp_path / "distinct.py"
-    reward.write_text("def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n")
     base = f"rollout-pool-{uuid.uuid4().hex[:6]}"
     settings = (
-        f"reward.reward_fn={reward}:score", "rollout.n_workers=1", "async_training.staleness=1",
+        distinct_reward(tmp_path), "rollout.n_workers=1", "async_training.staleness=1",
         "actor.optim.lr=0.01", "algorithm.rollout_correction.bypass_mode=false",
         "algorithm.rollout_correction.rollout_is=token", "trainer.total_steps=4", "trainer.save_freq=2",
         "trainer.test_freq=0", "trainer.max_restarts=1",
@@ -480,6 +474,14 @@ def test_worker_faults_are_recovered_and_the_run_matches_an_uninterrupted_one(en
     clean_weights = load_file(f"{env['runs']}/{base}-clean/final_model/model.safetensors")
     weights = load_file(f"{env['runs']}/{base}-faults/final_model/model.safetensors")
     assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
+
+
+def distinct_reward(folder) -> str:
+    """A reward of distinct characters: the untrained model's responses differ in it, so the advantages are not 0."""
+    (folder / "distinct.py").write_text(
+        "def score(prompts, responses, **columns):\n    return [len(set(r)) for r in responses]\n"
+    )
+    return f"reward.reward_fn={folder / 'distinct.py'}:score"
 
 
 def digit_reward(folder) -> str:
