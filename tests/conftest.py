@@ -116,8 +116,6 @@ def ray_cluster():
     """This test process's own Ray, which its in-process flows and worker groups use: started with `ray start` (and
     joined) rather than by ``ray.init``, which cannot leave out Ray's log monitor: nothing here reads worker output
     through it (``log_to_driver=False``), and it polls every log file of the node ten times a second all session."""
-    import shutil
-    import signal
     import subprocess
     import tempfile
 
@@ -125,7 +123,6 @@ def ray_cluster():
 
     from flows.plumbing import kept
 
-    started, temp_dir = None, None
     if not ray.is_initialized():
         port = free_port()
         # 16 logical CPUs on a 2-core machine: placement needs slots, the work itself is light in these tests. A new
@@ -140,6 +137,7 @@ def ray_cluster():
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        end_with_this_process(started.pid, temp_dir)
         kept.use_token_authentication()  # `ray start`'s default, as for the local Ray of `rlflow server up`
         deadline = time.monotonic() + 120
         while True:
@@ -155,13 +153,32 @@ def ray_cluster():
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
         )
     yield ray
-    ray.shutdown()
-    if started is not None:
-        # its whole process group at once: on SIGTERM its GCS shuts down gracefully for tens of seconds (at the end
-        # of each test process in `make test`), for an instance that keeps nothing (its folder is removed next)
-        os.killpg(started.pid, signal.SIGKILL)
-        started.wait(30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    # Nothing here: the driver is shut down by Ray's own exit handler, after the process reported its last test. A
+    # `ray.shutdown()` here could end the test process before that report: a thread of Ray's that touches the core
+    # worker just after it is gone quick-exits the process (CI, twice, a test process "Not properly terminated" in
+    # its last teardown, its driver log ending "The core worker process is not initialized yet or already shutdown").
+
+
+def end_with_this_process(group: int, temp_dir: str) -> None:
+    """A watcher of its own that ends process group ``group`` (the test process's `ray start`: SIGKILL, the whole
+    group at once, as its GCS shuts down gracefully for tens of seconds on SIGTERM, for an instance that keeps
+    nothing) and removes ``temp_dir`` once this process has ended, however it ended (a crash or a kill included)."""
+    import subprocess
+    import sys
+
+    watch = (
+        "import os, shutil, signal, sys, psutil\n"
+        "psutil.Process(int(sys.argv[1])).wait()\n"
+        "try:\n    os.killpg(int(sys.argv[2]), signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
+        "shutil.rmtree(sys.argv[3], ignore_errors=True)\n"
+    )
+    subprocess.Popen(
+        [sys.executable, "-c", watch, str(os.getpid()), str(group), temp_dir],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="session")
