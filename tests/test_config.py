@@ -192,3 +192,16 @@ def test_a_single_sample_without_groups_is_fine():
     )
     config.check_algorithm("grpo")
     load_config("demo", ["algorithm.adv_estimator=gae"]).check_algorithm("ppo")
+
+
+def test_the_gpu_async_preset_splits_one_node_into_a_training_and_a_rollout_pool():
+    """configs/gpu-async.yaml: 4 GPUs train, 4 generate with vLLM one step off, the drift weighed by truncated
+    importance weights (a stale batch without a correction would be refused); the rollout pool's size is its own
+    setting, so the 8 GPUs of the node are the two pools' sum."""
+    config = load_config("gpu-async")
+    assert (config.trainer.device, config.rollout.name) == ("cuda", "vllm")
+    assert config.trainer.n_workers + config.rollout.n_workers == 8 and config.rollout.n_workers == 4
+    assert config.async_training.staleness == 1
+    assert config.algorithm.rollout_correction.rollout_is == "token"
+    with pytest.raises(ConfigError, match="async_training.staleness=1 trains on batches sampled by an older policy"):
+        load_config("gpu-async", ["algorithm.rollout_correction.rollout_is=null"])

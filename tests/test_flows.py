@@ -327,6 +327,7 @@ def test_one_step_off_trains_each_batch_one_update_behind(env, tmp_path):
     assert min(kl[1], kl[3]) > 10 * max(kl[0], kl[2], 1e-9), kl
     saved = read_json(f"{runs_root(config)}/checkpoints/step_2/trainer_state.json")
     assert saved["loader"]["position"] == 2, saved["loader"]  # batches handed out: steps 1 and 2, none in flight
+    assert saved["policy_versions"] == {"actor": 2, "rollout": 2}  # one pool: the actor's weights sample
     _, task_runs, _ = asyncio.run(prefect_view(state.state_details.flow_run_id))
     started = {task_run.name: task_run.start_time for task_run in task_runs}
     assert started["generate_sequences-step-2"] < started["update_actor-step-1"], started
@@ -369,6 +370,9 @@ def test_a_rollout_pool_of_its_own_generates_beside_the_update_and_recovers_from
     ]
     assert runs["generate_sequences-step-2"].start_time < runs["update_actor-step-1"].end_time, runs
     assert runs["generate_sequences-step-4"].start_time < runs["update_actor-step-3"].end_time, runs
+    # the weights each pool had: the rollout's are sent after each update but the last
+    versions = [read_json(f"{env['runs']}/{name}/checkpoints/step_{s}/trainer_state.json") for s in (2, 4)]
+    assert [saved["policy_versions"] for saved in versions] == [{"actor": 2, "rollout": 2}, {"actor": 4, "rollout": 3}]
 
     config = small_config(env, f"{base}-faults", *settings)
     injector = Injector([(checkpoint_exists(runs_root(config), 2), "ray::ActorRolloutRefWorker.generate_sequences",

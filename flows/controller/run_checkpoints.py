@@ -18,7 +18,8 @@ from flows.stages import save_checkpoint
 STATEFUL_ROLES = ("actor", "critic", "reward")  # the roles whose state a checkpoint holds
 
 
-RUN_FIELDS = ("algorithm", "mlflow_run_id", "world_size", "config")  # trainer_state.json's fields beside TrainState's
+# trainer_state.json's fields beside TrainState's: what names the run (a resume checks them) and each pool's policy
+RUN_FIELDS = ("algorithm", "mlflow_run_id", "world_size", "config", "policy_versions")
 
 
 def checkpoint_root(root: str) -> str:
@@ -41,6 +42,7 @@ def save(run: RunState, step: int) -> float:
         "mlflow_run_id": run.tracker.run_id,
         "world_size": run.config.trainer.n_workers,
         "config": run.config.model_dump(mode="json"),
+        "policy_versions": policy_versions(run),
     }
     roles = {name: group for name, group in run.groups.items() if name in STATEFUL_ROLES}
     run.tracker.flush()  # the steps up to this one are in MLflow before a resume can start after them
@@ -65,6 +67,15 @@ def restore(run: RunState, path: str, trainer_state: dict) -> TrainState:
     send_rollout_weights(run)
     run.checkpointed(path)
     return TrainState.from_checkpoint(trainer_state)
+
+
+def policy_versions(run: RunState) -> dict[str, int]:
+    """``{"actor": v, "rollout": v}``: the updates the policy's weights have had in each pool (the rollout's: those
+    it samples with; the same group's as the actor's unless it has a pool of its own). Said by a checkpoint; a
+    restore sends a pool of its own the actor's weights again (``send_rollout_weights``)."""
+    if run.weights_synced is not None:
+        run.weights_synced.wait()  # the last update's weights on their way to the rollout pool
+    return {role: run.groups[role].get_policy_version()[0] for role in ("actor", "rollout") if role in run.groups}
 
 
 def send_rollout_weights(run: RunState) -> None:

@@ -460,6 +460,13 @@ class ActorRolloutRefWorker(Worker):
                 common.set_rng_state(common.rng_state_from_tensors(saved["rng"]))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_policy_version(self) -> int:
+        """The version of the policy this worker trains or samples with: its number of updates (a rollout worker
+        of a pool of its own: that of the weights it was last sent)."""
+        self._require(self._is_actor or self._is_rollout, "get_policy_version", "actor or rollout")
+        return self.update_steps
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_policy_weights(self) -> dict | None:
         """The policy's weights on the CPU and their version (its number of updates), from rank 0 (None on the
         others; a sharded policy is gathered, every rank takes part): what a rollout pool of its own loads
