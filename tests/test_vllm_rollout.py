@@ -221,6 +221,38 @@ def test_weights_sync_after_update_and_checkpoint_load(vllm_group, eos_model, tm
     assert masked_max_diff(reloaded.batch["rollout_log_probs"], initial, reloaded.batch["response_mask"]) < LOGPROB_ATOL
 
 
+def test_a_vllm_rollout_pool_of_its_own_samples_with_the_weights_it_is_sent(vllm_group, eos_model, tmp_path):
+    """rollout.n_workers with vLLM: a rollout-only worker's engine, sent the actor's weights after an update
+    (``get_policy_weights`` -> ``set_policy_weights``, as the sync_rollout_weights task does), samples with them in
+    place: its log-probs are the updated actor's, not the start model's, and its responses carry the actor's version."""
+    from rlworkers.workers.actor_rollout_ref import POLICY_VERSION
+
+    rollout, pool = actor_group(eos_model, {"name": "vllm"}, role="rollout")
+    try:
+        tokenizer = load_tokenizer(eos_model)
+        batch = prompts(tokenizer, 32, n=4)
+        vllm_group.save_checkpoint(str(tmp_path / "before"))
+        out = vllm_group.generate_sequences(batch)
+        out.batch["old_log_probs"] = out.batch["rollout_log_probs"]
+        out.batch["advantages"] = torch.randn(len(out), 1).expand(-1, RESPONSE_LENGTH) * out.batch["response_mask"]
+        vllm_group.update_actor(out)
+        policy = vllm_group.get_policy_weights()[0]
+        rollout.set_policy_weights(policy)
+        assert rollout.get_policy_version() == [policy["version"]] == vllm_group.get_policy_version()
+
+        sampled = rollout.generate_sequences(batch)
+        mask = sampled.batch["response_mask"]
+        actor = vllm_group.compute_log_prob(sampled).batch["old_log_probs"]
+        start = vllm_group.compute_ref_log_prob(sampled).batch["ref_log_prob"]  # the start model's
+        assert masked_max_diff(sampled.batch["rollout_log_probs"], actor, mask) < LOGPROB_ATOL
+        assert masked_max_diff(start, actor, mask) > 100 * LOGPROB_ATOL  # the update moved what it samples
+        assert set(sampled.non_tensor_batch[POLICY_VERSION].tolist()) == {policy["version"]}
+    finally:
+        vllm_group.load_checkpoint(str(tmp_path / "before"))  # the module's group as it was
+        rollout.shutdown()
+        pool.remove()
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_each_data_parallel_worker_syncs_its_own_engine(ray_cluster, eos_model, strategy):
     """Two workers: each rank's engine joins vLLM's groups over the actor's process group, samples its half of
