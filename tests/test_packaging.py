@@ -60,7 +60,9 @@ def test_installed_package_loads_the_demo_preset(installed, tmp_path):
     module_file, values = result.stdout.split("\n")[:2]
     assert Path(module_file).is_relative_to(installed)
     assert values == "32 8"  # flows/configs/demo.yaml
-    presets = ["agent", "agent-env", "agent-sft", "demo", "demo-sft", "gpu", "gpu-async", "real", "real-gsm8k", "real-sft"]
+    presets = [
+        "agent", "agent-env", "agent-sft", "demo", "demo-sft", "gpu", "gpu-async", "real", "real-gsm8k", "real-sft",
+    ]  # fmt: skip
     assert f"one of the presets {presets}" in result.stderr
 
 
