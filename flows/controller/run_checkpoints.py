@@ -73,9 +73,14 @@ def policy_versions(run: RunState) -> dict[str, int]:
     """``{"actor": v, "rollout": v}``: the updates the policy's weights have had in each pool (the rollout's: those
     it samples with; the same group's as the actor's unless it has a pool of its own). Said by a checkpoint; a
     restore sends a pool of its own the actor's weights again (``send_rollout_weights``)."""
-    if run.weights_synced is not None:
-        run.weights_synced.wait()  # the last update's weights on their way to the rollout pool
-    return {role: run.groups[role].get_policy_version()[0] for role in ("actor", "rollout") if role in run.groups}
+    versions = {"actor": run.groups["actor"].get_policy_version()[0]}
+    if run.rollout_of_its_own():
+        if run.weights_synced is not None:
+            run.weights_synced.wait()  # the last update's weights on their way to the rollout pool
+        versions["rollout"] = run.groups["rollout"].get_policy_version()[0]
+    elif "rollout" in run.groups:
+        versions["rollout"] = versions["actor"]  # the actor's workers generate
+    return versions
 
 
 def send_rollout_weights(run: RunState) -> None:
