@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import fsspec
 import numpy as np
-import pyarrow.parquet as pq
 
 from rlworkers.data.chat import check_messages, is_chat, prompt_token_ids
 
@@ -126,6 +125,8 @@ def _read_file(path: str, columns: tuple[str, ...], conversation_key: str | None
 
 
 def _read_parquet(path: str, columns: tuple[str, ...], conversation_key: str | None) -> tuple[list[dict], list[str]]:
+    import pyarrow.parquet as pq  # here, not at the top: every worker process imports this module, none reads parquet
+
     with fsspec.open(path, "rb") as f:
         table = pq.read_table(f)
     missing = [c for c in columns if c not in table.column_names]

@@ -32,8 +32,6 @@ import os
 
 import fsspec
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from rlworkers.storage import filesystem, join_path, write_bytes_atomic
 
@@ -145,6 +143,9 @@ def make_addition_dataset(
     paths = {}
     # Each file whole or not at all, meta.json last: runs that start at once on one runs_dir (two lineages) may
     # write the same folder while the other reads it.
+    import pyarrow as pa  # here: every worker process imports this package, only a run's start writes parquet
+    import pyarrow.parquet as pq
+
     for split, split_rows in rows.items():
         paths[split] = join_path(out_dir, SPLIT_FILES[split])
         buffer = pa.BufferOutputStream()
