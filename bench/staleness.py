@@ -16,6 +16,9 @@ beside it, so their step times show the pipeline's cost. The fifth has a rollout
 (``rollout.n_workers=1``) beside the demo's two actor processes: on a 2-core machine the three share the cores.
 
     .venv/bin/python bench/staleness.py [--grpo-steps 30] [--sft-steps 700] [--model PATH]
+
+``--config real --sft-steps 0`` runs the same five ways on SmolLM2-135M-Instruct (configs/real.yaml: 2-digit sums
+asked in its chat template, 8 prompts x 4 samples a step) from the preset's own start model, without a warm-up.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main() -> None:
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--model", help="start the GRPO runs from this model instead of an SFT warm-up")
+    parser.add_argument("--config", default="demo", help="the GRPO preset (demo, or real: SmolLM2-135M-Instruct)")
     args = parser.parse_args()
 
     from flows.lineages.evaluation import EvalResults, compare, describe, results_path
@@ -102,7 +106,7 @@ def main() -> None:
         try:
             apply_service_env(urls)
             model = args.model
-            if model is None:
+            if model is None and args.sft_steps > 0:
                 seconds = train("sft", "demo-sft", work, "warm", f"trainer.total_steps={args.sft_steps}",
                                 "trainer.test_freq=0", "trainer.save_freq=0")  # fmt: skip
                 model = str(work / "runs" / "warm" / "final_model")
@@ -111,8 +115,9 @@ def main() -> None:
             for index, (way, settings) in enumerate(WAYS.items()):
                 name = f"way{index}"
                 seconds = train(
-                    "grpo", "demo", work, name, f"model.path={model}", f"trainer.total_steps={args.grpo_steps}",
-                    f"trainer.test_freq={args.grpo_steps}", f"trainer.save_freq={args.grpo_steps}", *settings,
+                    "grpo", args.config, work, name, *([f"model.path={model}"] if model else []),
+                    f"trainer.total_steps={args.grpo_steps}", f"trainer.test_freq={args.grpo_steps}",
+                    f"trainer.save_freq={args.grpo_steps}", *settings,
                 )  # fmt: skip
                 finals[way] = EvalResults(**read_json(results_path(str(work / "runs" / name), "final", "validation")))
                 steps[way] = median_step(name)
