@@ -458,18 +458,6 @@ class RLConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
-    def _check_rollout_pool(self):
-        """A rollout pool of its own loads the actor's whole weights after each update."""
-        if self.rollout.n_workers and (self.actor.lora.enabled or self.actor.strategy != "ddp"):
-            setting = "a LoRA adapter (actor.lora.rank > 0)" if self.actor.lora.enabled else "actor.strategy=fsdp2"
-            raise ValueError(
-                f"rollout.n_workers={self.rollout.n_workers} (a rollout pool of its own) takes the actor's whole "
-                f"weights after each update, which it does not do yet with {setting}. Fix: rollout.n_workers=0 (the "
-                "actor's workers generate), or a full model with actor.strategy=ddp"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _check_staleness(self):
         """A stale batch is trained with a correction for the policy that sampled it, or without on purpose."""
         staleness, correction = self.async_training.staleness, self.algorithm.rollout_correction

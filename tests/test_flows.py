@@ -390,6 +390,31 @@ def test_a_rollout_pool_of_its_own_generates_beside_the_update_and_recovers_from
     assert all(torch.equal(clean[k], recovered[k]) for k in clean)
 
 
+def test_a_rollout_pool_of_its_own_samples_with_the_gathered_weights_of_a_sharded_actor(env, tmp_path):
+    """actor.strategy=fsdp2 with rollout.n_workers=1: the two actor ranks train their shards, and after each update
+    the weights gathered from them reach the rollout process, which holds the whole model. The on-policy steps after
+    a checkpoint's drain (steps 1 and 3) sample with the actor's weights of then, so their KL to the policy is as small
+    as at the start; one step off (2 and 4), larger; the checkpoints name each pool's version."""
+    name = f"fsdp-rollout-pool-{uuid.uuid4().hex[:6]}"
+    state, _ = run_flow("grpo", small_config(
+        env, name, distinct_reward(tmp_path), "actor.strategy=fsdp2", "trainer.n_workers=2", "rollout.n_workers=1",
+        "async_training.staleness=1", "actor.optim.lr=0.01", "algorithm.rollout_correction.bypass_mode=false",
+        "algorithm.rollout_correction.rollout_is=token", "trainer.total_steps=4", "trainer.save_freq=2",
+        "trainer.test_freq=0",
+    ))  # fmt: skip
+    assert state.is_completed(), state.message
+    client, run = mlflow_run(name)
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    assert history("async/staleness_max") == [0, 1, 0, 1]
+    kl = [abs(value) for value in history("rollout_corr/kl")]
+    assert min(kl[1], kl[3]) > 10 * max(kl[0], kl[2], 1e-9), kl
+    versions = [read_json(f"{env['runs']}/{name}/checkpoints/step_{s}/trainer_state.json") for s in (2, 4)]
+    assert [saved["policy_versions"] for saved in versions] == [{"actor": 2, "rollout": 2}, {"actor": 4, "rollout": 3}]
+
+
 def test_a_rule_reward_scores_in_the_stage_as_a_reward_worker_does(env, tmp_path):
     """reward.num_workers=0 (the default for a rule): the compute_reward stage scores the generated batch itself,
     and no reward process ever starts; the scores are the ones a reward worker (reward.num_workers=1) gives, step

@@ -68,6 +68,20 @@ def test_merged_weights_are_peft_merge_and_leave_the_base_alone(base_dir):
     assert all(torch.equal(after[k], v) for k, v in base_before.items())  # nothing was merged into the module
 
 
+def test_an_adapters_weights_alone_make_another_model_of_its_settings_the_same(base_dir):
+    """What a rollout pool of its own is sent under LoRA: ``adapter_weights`` (the adapter only) set into a model
+    with another adapter of the same settings gives the same logits; an adapter of another rank is refused."""
+    trained, other, tokenizer = adapted(base_dir, seed=0), adapted(base_dir, seed=1), load_tokenizer(base_dir)
+    weights = lora.adapter_weights(trained)
+    assert weights and all("lora_" in k for k in weights)
+    assert not torch.allclose(logits(other, tokenizer), logits(trained, tokenizer), atol=1e-5)
+    lora.set_adapter_weights(other, weights, "the actor's adapter")
+    assert torch.equal(logits(other, tokenizer), logits(trained, tokenizer))
+    rank_8 = lora.attach_adapter(load_model(base_dir), lora.lora_config(8, 16.0, 0.0, "all-linear"))
+    with pytest.raises(ValueError, match="the actor's adapter: the adapter does not fit"):
+        lora.set_adapter_weights(rank_8, weights, "the actor's adapter")
+
+
 def test_an_adapter_folder_loads_as_one_model(base_dir, tmp_path):
     model, tokenizer = adapted(base_dir), load_tokenizer(base_dir)
     folder = str(tmp_path / "adapter")
@@ -378,3 +392,33 @@ def test_the_other_flows_train_an_adapter(flow_env, algorithm):
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # B starts at zero: it trained
     if algorithm == "ppo":  # the critic trains a whole model of its own (started from the base)
         assert (Path(flow_env["runs"]) / name / "checkpoints" / "step_2" / "critic" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_rollout_pool_of_its_own_samples_with_the_adapter_it_is_sent(flow_env):
+    """rollout.n_workers=1 with LoRA: after each update the rollout process is sent the adapter's weights alone
+    (the base never changes). The on-policy steps after a checkpoint's drain (1 and 3) sample with the actor's
+    adapter of then, so their KL to the policy is as small as at the start; one step off (2 and 4), larger."""
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.lineages.lineage import RunRecord
+
+    name = f"lora-pool-{uuid.uuid4().hex[:6]}"
+    config = lora_grpo_config(
+        flow_env, f"trainer.run_name={name}", "rollout.n_workers=1", "async_training.staleness=1",
+        "algorithm.rollout_correction.bypass_mode=false", "algorithm.rollout_correction.rollout_is=token",
+        "trainer.total_steps=4", "trainer.save_freq=2",
+    )  # fmt: skip
+    state = run_grpo(config)
+    assert state.is_completed(), state.message
+    client, run_id = MlflowClient(), RunRecord.read(f"{flow_env['runs']}/{name}").mlflow_run_id
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+    assert history("async/staleness_max") == [0, 1, 0, 1]
+    kl = [abs(value) for value in history("rollout_corr/kl")]
+    assert min(kl[1], kl[3]) > 10 * max(kl[0], kl[2], 1e-9), kl
+    assert any(v.abs().max() > 0 for k, v in adapter_at(flow_env, name, 2).items() if "lora_B" in k)  # it trained

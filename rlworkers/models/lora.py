@@ -190,20 +190,38 @@ def load_adapter_weights(model, adapter_dir: str) -> None:
     Raises:
         ValueError: the saved adapter does not fit the model's (other rank or target modules).
     """
-    from peft import set_peft_model_state_dict
     from safetensors.torch import load
 
     with fsspec.open(f"{adapter_dir.rstrip('/')}/{ADAPTER_WEIGHTS}", "rb") as f:
-        weights = load(f.read())
+        set_adapter_weights(model, load(f.read()), adapter_dir)
+
+
+def adapter_weights(model) -> dict[str, torch.Tensor]:
+    """The adapter's weights of ``model`` alone, on the CPU, under peft's saved names (what ``set_adapter_weights``
+    takes): the part of a LoRA policy that training changes."""
+    from peft import get_peft_model_state_dict
+
+    return {name: tensor.detach().to("cpu") for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+def set_adapter_weights(model, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Set ``model``'s adapter to ``weights`` (``adapter_weights`` of a model of the same settings, or a saved
+    adapter's), every one of its weights replaced.
+
+    Raises:
+        ValueError: the weights do not fit the model's adapter (other rank or target modules), naming ``source``.
+    """
+    from peft import set_peft_model_state_dict
+
     expected = {k for k in model.state_dict() if "lora_" in k}
     try:
         result = set_peft_model_state_dict(model, weights)
     except RuntimeError as error:  # size mismatch
-        raise ValueError(f"{adapter_dir}: the adapter does not fit this model's ({error})") from None
+        raise ValueError(f"{source}: the adapter does not fit this model's ({error})") from None
     missing = [k for k in result.missing_keys if k in expected]
     if missing or result.unexpected_keys:
         raise ValueError(
-            f"{adapter_dir}: the adapter does not fit this model's (missing {missing[:5]}, unexpected "
+            f"{source}: the adapter does not fit this model's (missing {missing[:5]}, unexpected "
             f"{list(result.unexpected_keys)[:5]})"
         )
 

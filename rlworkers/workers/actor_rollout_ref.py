@@ -70,7 +70,9 @@ class ActorRolloutRefWorker(Worker):
         self.base_path = base_model_path(path)  # path itself unless it is a LoRA adapter folder
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
         self.ref_model = None
-        self.sharded = cfg.actor.strategy == "fsdp2"
+        # fsdp2 shards what trains and the reference beside it; a rollout pool of its own holds the whole model, as
+        # it is sent the whole weights (``set_policy_weights``) and generates on its own
+        self.sharded = cfg.actor.strategy == "fsdp2" and (self._is_actor or self._is_ref)
         if self._is_actor or self._is_rollout:
             self.model = self._shard(self._load_policy(path))
         if self._is_actor:
@@ -82,7 +84,7 @@ class ActorRolloutRefWorker(Worker):
             self.policy_loss_fn = core_algos.get_policy_loss_fn(cfg.actor.policy_loss)
         if self._is_rollout:
             self.rollout = build_rollout(
-                cfg.rollout, self.model, self.tokenizer, self.base_path, synced_gpus=cfg.lockstep_generation
+                cfg.rollout, self.model, self.tokenizer, self.base_path, synced_gpus=self._lockstep_generation
             )
             self.agent_loop = None
             if cfg.rollout.multi_turn.enable:  # several turns with tools / an environment (rlworkers.agents)
@@ -94,6 +96,11 @@ class ActorRolloutRefWorker(Worker):
             self.ref_model = self._shard(self._load(self.base_path if self.lora else path).to(self._load_device))
             self.ref_model.eval().requires_grad_(False)
         common.seed_everything(cfg.seed + 1000 * (self.rank + 1))  # different samples on every rank
+
+    @property
+    def _lockstep_generation(self) -> bool:
+        """HF generation on this worker's sharded policy a layer gathered at a time (``lockstep_generation``)."""
+        return self.config.lockstep_generation and self.sharded
 
     @property
     def _load_device(self) -> str:
@@ -142,7 +149,7 @@ class ActorRolloutRefWorker(Worker):
         hf = self.config.rollout.name == "hf"  # vLLM runs its own kernels in the model's dtype
         prompts = common.to_device(prompts, self.device)
         # gathered once: no collective while generating (else a layer at a time, the ranks in lockstep)
-        gather = hf and not self.config.lockstep_generation
+        gather = hf and not self._lockstep_generation
         gathered = fsdp.gathered(self.model) if gather else contextlib.nullcontext()
         with self._autocast() if hf else contextlib.nullcontext(), gathered, self._own_random_state(prompts) as prompts:
             if self.agent_loop is None:
@@ -470,23 +477,31 @@ class ActorRolloutRefWorker(Worker):
     def get_policy_weights(self) -> dict | None:
         """The policy's weights on the CPU and their version (its number of updates), from rank 0 (None on the
         others; a sharded policy is gathered, every rank takes part): what a rollout pool of its own loads
-        (``set_policy_weights``)."""
+        (``set_policy_weights``). With LoRA, the adapter's weights alone (``adapter``): the base never changes."""
         self._require(self._is_actor, "get_policy_weights", "actor")
+        adapter = self.lora and not fsdp.is_sharded(self.model)
         if fsdp.is_sharded(self.model):
             weights = fsdp.full_state_dict(self.model)
+        elif adapter and self.rank == 0:
+            weights = lora.adapter_weights(self.model)
         elif self.rank == 0:
             weights = {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
-        return {"weights": weights, "version": self.update_steps} if self.rank == 0 else None
+        return {"weights": weights, "adapter": adapter, "version": self.update_steps} if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_policy_weights(self, policy: dict) -> None:
         """A rollout worker of a pool of its own: sample with the actor's weights of ``policy``
         (``get_policy_weights``) from now on, its responses stamped with their version."""
         self._require(self._is_rollout and not self._is_actor, "set_policy_weights", "rollout (without actor)")
-        missing, unexpected = self.model.load_state_dict(policy["weights"], strict=False)
-        missing = [name for name in missing if not name.endswith("lm_head.weight")]  # tied embeddings
-        if missing or unexpected:
-            raise ValueError(f"the actor's weights do not match the rollout's model ({missing[:5]}, {unexpected[:5]})")
+        if policy.get("adapter"):
+            lora.set_adapter_weights(self.model, policy["weights"], "the actor's adapter")
+        else:
+            missing, unexpected = self.model.load_state_dict(policy["weights"], strict=False)
+            missing = [name for name in missing if not name.endswith("lm_head.weight")]  # tied embeddings
+            if missing or unexpected:
+                raise ValueError(
+                    f"the actor's weights do not match the rollout's model ({missing[:5]}, {unexpected[:5]})"
+                )
         self.update_steps = policy["version"]  # the updates these weights have had
         self._sync_rollout_weights()
 
