@@ -70,8 +70,8 @@ class ActorRolloutRefWorker(Worker):
         self.base_path = base_model_path(path)  # path itself unless it is a LoRA adapter folder
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
         self.ref_model = None
-        # fsdp2 shards what trains and the reference beside it; a rollout pool of its own holds the whole model, as
-        # it is sent the whole weights (``set_policy_weights``) and generates on its own
+        # fsdp2 shards what trains and the reference beside it; a rollout pool of its own holds the whole model: it
+        # is sent the gathered weights (``set_policy_weights``) and generates on its own
         self.sharded = cfg.actor.strategy == "fsdp2" and (self._is_actor or self._is_ref)
         if self._is_actor or self._is_rollout:
             self.model = self._shard(self._load_policy(path))
@@ -479,13 +479,13 @@ class ActorRolloutRefWorker(Worker):
         others; a sharded policy is gathered, every rank takes part): what a rollout pool of its own loads
         (``set_policy_weights``). With LoRA, the adapter's weights alone (``adapter``): the base never changes."""
         self._require(self._is_actor, "get_policy_weights", "actor")
-        adapter = self.lora and not fsdp.is_sharded(self.model)
-        if fsdp.is_sharded(self.model):
+        sharded = fsdp.is_sharded(self.model)
+        adapter = self.lora and not sharded
+        if sharded:
             weights = fsdp.full_state_dict(self.model)
-        elif adapter and self.rank == 0:
-            weights = lora.adapter_weights(self.model)
         elif self.rank == 0:
-            weights = {name: tensor.detach().to("cpu") for name, tensor in self.model.state_dict().items()}
+            state = lora.adapter_weights(self.model) if adapter else self.model.state_dict()
+            weights = {name: tensor.detach().to("cpu") for name, tensor in state.items()}
         return {"weights": weights, "adapter": adapter, "version": self.update_steps} if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
