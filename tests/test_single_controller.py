@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -156,6 +158,15 @@ class Distributed(Worker):
         tensor = torch.tensor([float(self.rank + 1)])
         torch.distributed.all_reduce(tensor)
         return used, tensor.item()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather_tags(self, tag: int) -> list:
+        """Each rank's ``tag`` of the collective this call ran: the same on every rank when the ranks ran their
+        calls in one order (a sharded model's forward, or gathering its weights, is such a collective)."""
+        self.init_process_group(backend="gloo")
+        tags = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(tags, tag)
+        return tags
 
 
 def make_group(cls, n, **init_kwargs):
@@ -336,6 +347,25 @@ def test_all_reduce_over_gloo(ray_cluster):
     try:
         assert group.all_reduce() == [("gloo", 3.0), ("gloo", 3.0)]
     finally:
+        group.shutdown()
+        pool.remove()
+
+
+def test_calls_from_many_threads_reach_every_rank_in_one_order(ray_cluster):
+    """Stage tasks call a group from the threads of one process at once (old log-probs beside reference log-probs
+    on a colocated group; sending the weights beside both): every rank must run them in the same order, or their
+    collectives pair one call's tensors with another's, a mix no error reports."""
+    group, pool = make_group(Distributed, 2)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often, as under load: a call between two ranks' submits is likely
+    try:
+        group.gather_tags(-1)
+        with ThreadPoolExecutor(8) as threads:
+            results = list(threads.map(group.gather_tags, range(200)))
+        mixed = [(tag, ranks) for tag, ranks in enumerate(results) if ranks != [[tag, tag], [tag, tag]]]
+        assert not mixed, mixed[:5]
+    finally:
+        sys.setswitchinterval(switch)
         group.shutdown()
         pool.remove()
 

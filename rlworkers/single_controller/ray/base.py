@@ -14,6 +14,7 @@ import collections
 import copy
 import inspect
 import math
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -174,6 +175,11 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 0
 
 
+# One call's submits to its ranks, never interleaved with another call's from this process: Ray runs an actor's calls
+# from one process in the order they were submitted, so every rank then runs the calls in the same order. Stage tasks
+# call the same group from several threads at once, and ranks running them in different orders would pair one call's
+# collectives (a sharded model's forward, gathering its weights) with another's: a silent mix when the shapes agree.
+SUBMITTING = threading.Lock()
 SLOWEST_FACTOR = 3.0  # a call's time limit is at least this many times its method's slowest earlier call (per row)
 # a call whose ranks keep working past its limit gets more windows of it: 10, or as many as make 10 minutes
 MAX_WINDOWS, MIN_PATIENCE_S = 10, 600.0
@@ -426,20 +432,22 @@ class RayWorkerGroup(WorkerGroup):
                     f"({self.world_size}) for every argument; argument {name!r} is {type(value).__name__}"
                 )
         refs = []
-        for rank in ranks:
-            rank_kwargs = {k: v[rank] for k, v in kwargs.items()}
-            method = getattr(self._workers[rank], method_name)
-            if return_len:
-                rank_kwargs[WITH_LEN_KEY] = True
-                method = method.options(num_returns=2)
-            if rank in drop_output:
-                rank_kwargs[DROP_OUTPUT_KEY] = True
-            refs.append(method.remote(*(a[rank] for a in args), **rank_kwargs))
+        with SUBMITTING:
+            for rank in ranks:
+                rank_kwargs = {k: v[rank] for k, v in kwargs.items()}
+                method = getattr(self._workers[rank], method_name)
+                if return_len:
+                    rank_kwargs[WITH_LEN_KEY] = True
+                    method = method.options(num_returns=2)
+                if rank in drop_output:
+                    rank_kwargs[DROP_OUTPUT_KEY] = True
+                refs.append(method.remote(*(a[rank] for a in args), **rank_kwargs))
         return refs
 
     def execute_all_async(self, method_name: str, *args, **kwargs) -> list:
         """Call ``method_name`` on every rank with the same arguments; returns one ObjectRef per rank."""
-        return [getattr(worker, method_name).remote(*args, **kwargs) for worker in self._workers]
+        with SUBMITTING:
+            return [getattr(worker, method_name).remote(*args, **kwargs) for worker in self._workers]
 
     def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
         return self._collect(
