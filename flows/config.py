@@ -176,6 +176,84 @@ class AsyncTrainingConfig(_Frozen):
     )
 
 
+Role = Literal["actor", "rollout", "ref", "critic", "reward"]
+
+
+class ResourcePoolConfig(_Frozen):
+    """Named pools of worker processes and the pool each role runs on (verl's ``resource_pool_spec`` and
+    ``mapping``). A pool is its processes on each node: ``[4, 4]`` is 4 processes on each of two nodes (a placement
+    group an entry, each packed on one node). The rollout and the reference on the actor's pool run in the actor's
+    processes; on a pool of their own, in its processes. A critic and a reward model run in processes of their own,
+    on a pool no other role uses. The pools set what the shorter settings say for one node (trainer.n_workers,
+    rollout.n_workers, trainer.colocate_ref, reward.num_workers; a reference of several processes only so), and a
+    role not mapped keeps its section's settings."""
+
+    spec: dict[str, list[int]] = Field(
+        default_factory=dict, description="pool name -> its processes on each node, e.g. {global_pool: [2]}"
+    )
+    mapping: dict[Role, str] = Field(
+        default_factory=dict, description="role (actor, rollout, ref, critic, reward) -> pool name; actor required"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.spec and not self.mapping:
+            return self
+        for name, nodes in self.spec.items():
+            if not nodes or any(not isinstance(n, int) or n < 1 for n in nodes):
+                raise ValueError(
+                    f"resource_pool.spec.{name}={nodes}: a pool is a list of processes per node, each >= 1 (e.g. [2])"
+                )
+        if "actor" not in self.mapping:
+            raise ValueError("resource_pool.mapping.actor is missing: name the pool the actor trains on")
+        unknown = {role: pool for role, pool in self.mapping.items() if pool not in self.spec}
+        if unknown:
+            raise ValueError(
+                f"resource_pool.mapping names pools that resource_pool.spec lacks ({unknown}; it has "
+                f"{sorted(self.spec)}): add them to resource_pool.spec"
+            )
+        unused = sorted(set(self.spec) - set(self.mapping.values()))
+        if unused:
+            raise ValueError(f"resource_pool.spec has pools no role is mapped to ({unused}): map a role or remove them")
+        actor_pool = self.mapping["actor"]
+        for role, pool in self.mapping.items():
+            sharing = sorted(other for other, p in self.mapping.items() if p == pool and other != role)
+            if role in ("critic", "reward") and sharing:
+                raise ValueError(
+                    f"resource_pool.mapping.{role}: pool '{pool}' is also {', '.join(sharing)}'s; a {role} runs in "
+                    f"processes of its own (only the rollout and the reference share the actor's): map it to a pool "
+                    f"of its own, e.g. resource_pool.spec.{role}_pool=[1]"
+                )
+            if pool != actor_pool and sharing:
+                raise ValueError(
+                    f"resource_pool.mapping: {role} and {', '.join(sharing)} share pool '{pool}', which is not the "
+                    "actor's; roles share only the actor's processes: give each its own pool, or map it to the actor's"
+                )
+        critic, actors = self.mapping.get("critic"), sum(self.spec[actor_pool])
+        if critic and sum(self.spec[critic]) != actors:
+            raise ValueError(
+                f"resource_pool.spec.{critic}={self.spec[critic]}: the critic trains data-parallel over the actor's "
+                f"split of each batch, so its pool needs as many processes as the actor's ({actors})"
+            )
+        return self
+
+    def settings(self) -> dict[tuple[str, str], Any]:
+        """What the pools set of the shorter settings: ``{(section, field): value}``."""
+        if not self.spec:
+            return {}
+        actor = self.mapping["actor"]
+        own = {role: pool != actor for role, pool in self.mapping.items()}
+        size = {role: sum(self.spec[pool]) for role, pool in self.mapping.items()}
+        settings = {("trainer", "n_workers"): size["actor"]}
+        if "rollout" in self.mapping:
+            settings[("rollout", "n_workers")] = size["rollout"] if own["rollout"] else 0
+        if "ref" in self.mapping:
+            settings[("trainer", "colocate_ref")] = not own["ref"]
+        if "reward" in self.mapping:
+            settings[("reward", "num_workers")] = size["reward"]
+        return settings
+
+
 class TrainerConfig(_Frozen):
     project_name: str = Field("rlflow", description="MLflow experiment")
     run_name: str | None = Field(
@@ -218,7 +296,7 @@ class TrainerConfig(_Frozen):
     keep_last_checkpoints: int = Field(2, description="retention; <= 0 keeps all")
     runs_dir: str = Field("runs", description="local path or fsspec URL (s3://...) shared by driver and workers")
     resume: str = Field("auto", description="'auto' (newest valid checkpoint of run_name), 'never', or a path")
-    n_workers: int = Field(2, gt=0, description="data-parallel actor workers")
+    n_workers: int = Field(2, gt=0, description="data-parallel actor workers (resource_pool: the actor's pool)")
     colocate_ref: bool = Field(
         True,
         description="the reference model lives in the actor's worker processes (verl's actor_rollout_ref): no "
@@ -395,6 +473,7 @@ class RLConfig(_Frozen):
     custom_reward_function: CustomRewardFunctionConfig = CustomRewardFunctionConfig()
     eval: EvalConfig = EvalConfig()
     async_training: AsyncTrainingConfig = AsyncTrainingConfig()
+    resource_pool: ResourcePoolConfig = ResourcePoolConfig()
     trainer: TrainerConfig = TrainerConfig()
 
     @model_validator(mode="before")
@@ -406,6 +485,30 @@ class RLConfig(_Frozen):
                 "trainer.promotion_tolerance was replaced by the paired gate: eval.margin (a non-inferiority margin) "
                 "with eval.promote_if=non_inferior; remove trainer.promotion_tolerance"
             )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pool_settings(cls, data):
+        """resource_pool sets trainer.n_workers, rollout.n_workers, trainer.colocate_ref and reward.num_workers for
+        the roles it maps; one of them given otherwise is refused rather than silently replaced."""
+        pools = data.get("resource_pool") if isinstance(data, dict) else None
+        if not pools:
+            return data
+        try:
+            settings = ResourcePoolConfig.model_validate(pools).settings()
+        except ValidationError:
+            return data  # the field's own validation names the problem
+        data = dict(data)
+        for (section, name), value in settings.items():
+            given = data.get(section) or {}
+            given = given.model_dump() if isinstance(given, BaseModel) else dict(given)
+            if given.get(name) is not None and given[name] != value:
+                raise ValueError(
+                    f"{section}.{name}={given[name]} (given, or the preset's) disagrees with resource_pool, which "
+                    f"makes it {value}: set {section}.{name}={value} too, or change the pools"
+                )
+            data[section] = {**given, name: value}
         return data
 
     @model_validator(mode="before")
@@ -491,6 +594,16 @@ class RLConfig(_Frozen):
                     "this way anyway"
                 )
         return self
+
+    def processes_on_nodes(self, role: Role) -> list[int]:
+        """The worker processes of ``role``'s group on each node: its pool's (``resource_pool``), else one node's
+        trainer.n_workers (actor, critic), rollout.n_workers, one reference, or the reward's workers."""
+        pools = self.resource_pool
+        if role in pools.mapping:
+            return list(pools.spec[pools.mapping[role]])
+        n = self.trainer.n_workers
+        return [{"actor": n, "critic": n, "rollout": self.rollout.n_workers, "ref": 1,
+                 "reward": self.reward.worker_count}[role]]  # fmt: skip
 
     def check_algorithm(self, algorithm: str) -> None:
         """What a flow needs of the config beyond its fields, checked before anything starts (``start_run``)."""

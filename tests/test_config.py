@@ -196,12 +196,58 @@ def test_a_single_sample_without_groups_is_fine():
 
 def test_the_gpu_async_preset_splits_one_node_into_a_training_and_a_rollout_pool():
     """configs/gpu-async.yaml: 4 GPUs train, 4 generate with vLLM one step off, the drift weighed by truncated
-    importance weights (a stale batch without a correction would be refused); the rollout pool's size is its own
-    setting, so the 8 GPUs of the node are the two pools' sum."""
+    importance weights (a stale batch without a correction would be refused); its resource_pool names the two
+    pools, so the 8 GPUs of the node are their sum."""
     config = load_config("gpu-async")
     assert (config.trainer.device, config.rollout.name) == ("cuda", "vllm")
     assert config.trainer.n_workers + config.rollout.n_workers == 8 and config.rollout.n_workers == 4
+    assert config.processes_on_nodes("actor") == config.processes_on_nodes("rollout") == [4]
+    assert config.trainer.colocate_ref
     assert config.async_training.staleness == 1
     assert config.algorithm.rollout_correction.rollout_is == "token"
     with pytest.raises(ConfigError, match="async_training.staleness=1 trains on batches sampled by an older policy"):
         load_config("gpu-async", ["algorithm.rollout_correction.rollout_is=null"])
+
+
+POOLS = "resource_pool.spec={spec}", "resource_pool.mapping={mapping}"
+
+
+def pools(spec: str, mapping: str, *extra: str):
+    return load_config("demo", [POOLS[0].format(spec=spec), POOLS[1].format(mapping=mapping), *extra])
+
+
+def test_resource_pools_set_each_roles_processes_and_what_the_shorter_settings_say():
+    """resource_pool (verl's resource_pool_spec and mapping): the actor's pool is trainer.n_workers, a rollout or a
+    reference on a pool of its own is its group (rollout.n_workers, trainer.colocate_ref=false), on the actor's pool
+    the actor's processes; a pool of several nodes keeps its shape; roles not mapped keep their sections' settings."""
+    config = pools(
+        "{train: [1, 1], gen: [1], ref: [2]}", "{actor: train, rollout: gen, ref: ref}",
+        "async_training.staleness=1", "algorithm.rollout_correction.bypass_mode=true",
+    )  # fmt: skip
+    assert (config.trainer.n_workers, config.rollout.n_workers, config.trainer.colocate_ref) == (2, 1, False)
+    assert [config.processes_on_nodes(role) for role in ("actor", "rollout", "ref")] == [[1, 1], [1], [2]]
+    assert config.processes_on_nodes("critic") == [2] and config.processes_on_nodes("reward") == [0]  # not mapped
+    shared = pools("{train: [2], score: [1]}", "{actor: train, rollout: train, ref: train, reward: score}")
+    assert (shared.rollout.n_workers, shared.trainer.colocate_ref, shared.reward.worker_count) == (0, True, 1)
+    critic = pools("{train: [2], values: [1, 1]}", "{actor: train, critic: values}")
+    assert critic.processes_on_nodes("critic") == [1, 1]
+    unset = load_config("demo", ["trainer.colocate_ref=false", "reward.num_workers=1"])  # the shorter settings
+    assert [unset.processes_on_nodes(role) for role in ("actor", "ref", "reward", "rollout")] == [[2], [1], [1], [0]]
+
+
+@pytest.mark.parametrize(
+    ("spec", "mapping", "message"),
+    [
+        ("{train: [2]}", "{rollout: train}", "resource_pool.mapping.actor is missing"),
+        ("{train: [2]}", "{actor: other}", "resource_pool.mapping names pools that resource_pool.spec lacks"),
+        ("{train: [2], spare: [1]}", "{actor: train}", "resource_pool.spec has pools no role is mapped to"),
+        ("{train: [0]}", "{actor: train}", r"resource_pool.spec.train=\[0\]: a pool is a list of processes per node"),
+        ("{train: [2]}", "{actor: train, critic: train}", "resource_pool.mapping.critic: pool 'train' is also actor's"),
+        ("{train: [2], gen: [1]}", "{actor: train, ref: gen, rollout: gen}", "ref and rollout share pool 'gen'"),
+        ("{train: [2], values: [1]}", "{actor: train, critic: values}", "as many processes as the actor's"),
+        ("{train: [1]}", "{actor: train}", r"trainer.n_workers=2 \(given, or the preset's\) disagrees"),
+    ],
+)
+def test_resource_pools_that_cannot_run_are_refused_naming_the_field(spec, mapping, message):
+    with pytest.raises(ConfigError, match=message):
+        pools(spec, mapping)

@@ -230,20 +230,23 @@ def test_the_next_run_of_the_process_trains_in_the_same_worker_processes_exactly
     assert not worker_pids("ray::ActorRolloutRefWorker")
 
 
-def test_a_colocated_reference_gives_the_separate_ones_kl(env):
+def test_a_colocated_reference_gives_the_kl_of_a_reference_pool_of_its_own(env):
     """trainer.colocate_ref: the reference lives in the actor's processes (no reference group); its log-probs, and
-    so the KL loss the actor trains with, are those of the separate reference group, step by step, and the KL is
-    not zero (the reference is the start model, not the policy being trained: an entropy bonus moves the policy
-    while the untrained model's rewards are all zero)."""
+    so the KL loss the actor trains with, are those of a reference on a pool of its own (``resource_pool``, here two
+    processes, data-parallel), step by step, and the KL is not zero (the reference is the start model, not the
+    policy being trained: an entropy bonus moves the policy while the untrained model's rewards are all zero)."""
+    pools = ("resource_pool.spec={train: [1], ref: [2]}", "resource_pool.mapping={actor: train, ref: ref}")
     histories = {}
     for colocate in (False, True):
         name = f"coloc-{colocate}-{uuid.uuid4().hex[:6]}"
-        state, _ = run_flow(
-            "grpo", small_config(env, name, f"trainer.colocate_ref={str(colocate).lower()}", "actor.entropy_coeff=0.1")
-        )  # the policy moves off the start
+        placement = ("trainer.colocate_ref=true",) if colocate else pools
+        state, _ = run_flow("grpo", small_config(env, name, *placement, "actor.entropy_coeff=0.1"))
         assert state.is_completed(), state.message
+        if not colocate:  # kept for the next run: the actor's process and the reference pool's two
+            assert len(worker_pids("ray::ActorRolloutRefWorker")) == 3
         client, run = mlflow_run(name)
         histories[colocate] = [m.value for m in client.get_metric_history(run.info.run_id, "actor/kl_loss")]
+    assert len(worker_pids("ray::ActorRolloutRefWorker")) == 1  # the reference pool ended when not taken
     assert len(histories[True]) == 3 and any(value > 0 for value in histories[True]), histories
     assert histories[True] == pytest.approx(histories[False], rel=1e-3, abs=1e-9), histories
 

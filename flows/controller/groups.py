@@ -42,15 +42,16 @@ _kept_groups_lock = threading.Lock()
 _registered: weakref.WeakKeyDictionary[RayWorkerGroup, str] = weakref.WeakKeyDictionary()
 
 
-def group_key(cls, n: int, use_gpu: bool, cpus_per_worker: float, env: dict[str, str]) -> tuple:
+def group_key(cls, process_on_nodes: list[int], use_gpu: bool, cpus_per_worker: float, env: dict[str, str]) -> tuple:
     """What a kept group must match to be reused: the Ray job (any job of the local Ray of `rlflow server up`), the
-    worker class, the number of workers, their resources and their environment (a process's environment is set when
+    worker class, its workers on each node, their resources and their environment (a process's environment is set when
     it starts: the group's own variables and those every worker of the run gets)."""
     import ray
 
     job = None if kept_processes.in_local_ray() else ray.get_runtime_context().get_job_id()
     env = {**_service_env(), **env}
-    return (job, cls.__module__, cls.__qualname__, n, use_gpu, cpus_per_worker, kept_processes.digest(env))
+    shape = tuple(process_on_nodes)
+    return (job, cls.__module__, cls.__qualname__, shape, use_gpu, cpus_per_worker, kept_processes.digest(env))
 
 
 def take_kept_groups(keys: list[tuple]) -> list[RayWorkerGroup | None]:
@@ -117,7 +118,7 @@ def _end_groups(groups: list[RayWorkerGroup], wait_s: float = 10.0) -> None:
 
 def build_group(
     cls,
-    n: int,
+    process_on_nodes: list[int],
     *,
     use_gpu: bool,
     cpus_per_worker: float = 1.0,
@@ -127,7 +128,8 @@ def build_group(
     kept: RayWorkerGroup | None = None,
     **init_kwargs,
 ) -> RayWorkerGroup:
-    """A group of ``n`` workers of ``cls`` built with ``init_kwargs``, set up (``init_model``): in the processes of
+    """A group of workers of ``cls`` (``process_on_nodes``: how many on each node, verl's) built with
+    ``init_kwargs``, set up (``init_model``): in the processes of
     ``kept`` when one is given (a kept group of its key: ``take_kept_groups``), else in new ones. ``reusable``:
     whether ``release_group(group, keep=True)`` may keep its processes for another run (not a vLLM engine's: its
     engine does not let go of everything it started)."""
@@ -135,7 +137,7 @@ def build_group(
     env = worker_env(env)
     if env:
         worker_cls.update_options({"runtime_env": {"env_vars": env}})
-    key = group_key(cls, n, use_gpu, cpus_per_worker, env)
+    key = group_key(cls, process_on_nodes, use_gpu, cpus_per_worker, env)
     group = None
     if kept is not None:
         try:
@@ -150,7 +152,11 @@ def build_group(
     if group is None:
         in_local_ray = kept_processes.in_local_ray()  # detached, recorded in its registry before any worker starts
         pool = RayResourcePool(
-            [n], use_gpu=use_gpu, max_colocate_count=1, cpus_per_worker=cpus_per_worker, detached=in_local_ray
+            list(process_on_nodes),
+            use_gpu=use_gpu,
+            max_colocate_count=1,
+            cpus_per_worker=cpus_per_worker,
+            detached=in_local_ray,
         )
         if in_local_ray:
             item = uuid.uuid4().hex
@@ -200,9 +206,10 @@ def release_group(group: RayWorkerGroup, keep: bool = False) -> None:
 
 
 def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> dict[str, RayWorkerGroup | RuleReward]:
-    """The worker groups of ``roles``, built at once: their processes start and load the model in parallel. The
-    reference may share the actor's group (``trainer.colocate_ref``), and so does the rollout unless it has a pool of
-    its own (``rollout.n_workers``); a rule reward is a ``RuleReward`` that the
+    """The worker groups of ``roles``, built at once: their processes start and load the model in parallel, each
+    role's on its pool (``RLConfig.processes_on_nodes``). The reference may share the actor's group
+    (``trainer.colocate_ref``), and so does the rollout unless it has a pool of its own (``rollout.n_workers``, or
+    either mapped to a pool of its own in ``resource_pool``); a rule reward is a ``RuleReward`` that the
     compute_reward stage calls itself (``reward.num_workers=0``, the default for rules)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -214,7 +221,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
     plans = {
         "actor": (
             ActorRolloutRefWorker,
-            trainer.n_workers,
+            config.processes_on_nodes("actor"),
             {
                 "use_gpu": use_gpu,
                 "config": worker_config,
@@ -225,7 +232,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
         ),
         "rollout": (
             ActorRolloutRefWorker,
-            config.rollout.n_workers,
+            config.processes_on_nodes("rollout"),
             {
                 "use_gpu": use_gpu,
                 "config": worker_config,
@@ -233,10 +240,14 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
                 "reusable": config.rollout.name != "vllm",
             },
         ),
-        "ref": (ActorRolloutRefWorker, 1, {"use_gpu": use_gpu, "config": worker_config, "role": "ref"}),
+        "ref": (
+            ActorRolloutRefWorker,
+            config.processes_on_nodes("ref"),
+            {"use_gpu": use_gpu, "config": worker_config, "role": "ref"},
+        ),
         "critic": (
             CriticWorker,
-            trainer.n_workers,
+            config.processes_on_nodes("critic"),
             {
                 "use_gpu": use_gpu,
                 "config": config.critic_config(),
@@ -247,7 +258,7 @@ def build_groups(config: RLConfig, roles: tuple[str, ...], model_path: str) -> d
                 "env": sharded_on_cpu_env(config.critic.strategy, trainer.device),
             },
         ),
-        "reward": (RewardWorker, config.reward.worker_count, reward_worker_options(config, model_path)),
+        "reward": (RewardWorker, config.processes_on_nodes("reward"), reward_worker_options(config, model_path)),
     }
     # a rule reward scores in the compute_reward stage (reward.num_workers=0): loaded here, before any worker starts
     in_stage = "reward" in roles and not config.reward.worker_count
@@ -288,9 +299,11 @@ def worker_env(env: dict[str, str] | None) -> dict[str, str]:
     return {**storage_env(), **(env or {})}
 
 
-def plan_key(cls, n: int, options: dict) -> tuple:
-    """``group_key`` of the group ``build_group(cls, n, **options)`` builds."""
-    return group_key(cls, n, options["use_gpu"], options.get("cpus_per_worker", 1.0), worker_env(options.get("env")))
+def plan_key(cls, process_on_nodes: list[int], options: dict) -> tuple:
+    """``group_key`` of the group ``build_group(cls, process_on_nodes, **options)`` builds."""
+    return group_key(
+        cls, process_on_nodes, options["use_gpu"], options.get("cpus_per_worker", 1.0), worker_env(options.get("env"))
+    )
 
 
 def reward_worker_options(config: RLConfig, model_path: str) -> dict:

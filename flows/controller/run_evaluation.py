@@ -139,9 +139,10 @@ def evaluate_model(run: RunState, uri: str, eval_set, label: str) -> evaluation.
         "config": worker_config.model_copy(update={"model": model, "actor": actor}),
         "role": "rollout",
     }
-    (kept,) = take_kept_groups([plan_key(ActorRolloutRefWorker, trainer.n_workers, options)])
+    nodes = run.config.processes_on_nodes("actor")
+    (kept,) = take_kept_groups([plan_key(ActorRolloutRefWorker, nodes, options)])
     timeout = (trainer.stage_timeout_s, trainer.stage_timeout_s_per_sample)
-    group = build_group(ActorRolloutRefWorker, trainer.n_workers, timeout=timeout, kept=kept, **options)
+    group = build_group(ActorRolloutRefWorker, nodes, timeout=timeout, kept=kept, **options)
     try:
         out = generate_for_eval(run, group, eval_set, step)
     finally:

@@ -258,7 +258,7 @@ def _trained_models(
     config: RLConfig, roles, parameters: int, actor_strategy: str, critic_strategy: str, gather: bool | None = None
 ) -> list:
     """The groups' models as ``memory.TrainedModel``: the actor (with its colocated reference), the critic, a rollout
-    pool of its own."""
+    pool and a reference of their own."""
     colocated = config.trainer.colocate_ref and "ref" in roles and not config.actor.lora.enabled
     if gather is None:
         gather = config.actor.fsdp_config.gather_for_generation
@@ -273,15 +273,21 @@ def _trained_models(
     if "critic" in roles:
         critic = config.critic.model or config.model
         models.append(memory.TrainedModel(parameters, parameters, critic.dtype, critic_strategy, n))
-    if "rollout" in _trained_roles(config, roles):  # a pool of its own: the weights, nothing trained
-        models.append(memory.TrainedModel(parameters, 0, config.model.dtype, "ddp", config.rollout.n_workers))
+    for role in ("rollout", "ref"):  # a pool of its own: the weights, nothing trained
+        if role in _trained_roles(config, roles):
+            n = sum(config.processes_on_nodes(role))
+            models.append(memory.TrainedModel(parameters, 0, config.model.dtype, "ddp", n))
     return models
 
 
 def _trained_roles(config: RLConfig, roles) -> list[str]:
     """The roles ``_trained_models`` lists, in its order."""
     own_rollout = "rollout" in roles and config.rollout.n_workers
-    return ["actor", *(["critic"] if "critic" in roles else []), *(["rollout"] if own_rollout else [])]
+    own_ref = "ref" in roles and not config.trainer.colocate_ref
+    return [
+        "actor", *(["critic"] if "critic" in roles else []), *(["rollout"] if own_rollout else []),
+        *(["ref"] if own_ref else []),
+    ]  # fmt: skip
 
 
 class CheckpointMismatch(RuntimeError):
