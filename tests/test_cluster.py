@@ -1,5 +1,6 @@
 """GRPO on an existing two-node Ray cluster (two `ray start`s on this machine, each with its own resources and temp
-dir), started by `rlflow train` with trainer.ray_address as a user would. The second node is stopped mid-run (SIGTERM
+dir), started by `rlflow train` with trainer.ray_address as a user would, its roles laid out as verl's resource pools
+(the actor's, and a reference and a reward model on pools of their own). The second node is stopped mid-run (SIGTERM
 to its raylet and everything under it, what `ray stop` does on that machine); the run replaces the workers it lost,
 waits for room while there is none, and finishes once the node is back, with the weights of the same job run
 uninterrupted on the same cluster. And a one-node cluster reached as KubeRay hands one out (Ray Client, ray://),
@@ -168,8 +169,10 @@ def test_grpo_on_two_nodes_survives_losing_one(cluster, tmp_path):
             "rollout.n=4",
             "actor.ppo_mini_batch_size=16",
             "actor.ppo_micro_batch_size_per_gpu=8",
-            "trainer.colocate_ref=false",  # a reference and a reward group beside the actor's: 3.5 CPUs in all,
-            "reward.num_workers=1",  # more than either node holds alone
+            # verl's pools: the actor's two processes (the rollout in them), a reference and a reward model on
+            # pools of their own: 3.5 CPUs in all, more than either node holds alone
+            "resource_pool.spec={train: [2], ref: [1], reward: [1]}",
+            "resource_pool.mapping={actor: train, rollout: train, ref: ref, reward: reward}",
         ]
 
     clean = subprocess.run(
