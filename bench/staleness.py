@@ -17,6 +17,12 @@ beside it, so their step times show the pipeline's cost. The fifth has a rollout
 
     .venv/bin/python bench/staleness.py [--grpo-steps 30] [--sft-steps 700] [--model PATH]
 
+Whether a kind of prompt is starved: the addition task's prompts are of two kinds, the sums with a carry in some
+column and those without (which kind is the harder one for a model is measured: its held-out accuracy on each).
+For each way the bench prints how many prompts of each kind it trained on (the batches its loader handed out up to
+the position its final checkpoint holds: a dropped or regenerated batch would move that position) and its held-out
+accuracy on each kind, each paired against the on-policy model's on the same prompts.
+
 ``--config real --sft-steps 0`` runs the same five ways on SmolLM2-135M-Instruct (configs/real.yaml: 2-digit sums
 asked in its chat template, 8 prompts x 4 samples a step) from the preset's own start model, without a warm-up.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -69,6 +76,42 @@ def train(flow: str, preset: str, work: Path, name: str, *settings: str) -> floa
     return time.perf_counter() - start
 
 
+SUM = re.compile(r"(\d+)\s*\+\s*(\d+)")
+
+
+def carries(prompt) -> bool:
+    """Whether the prompt's sum ``a + b`` carries in some column (a plain prompt, or a chat's messages)."""
+    text = prompt if isinstance(prompt, str) else " ".join(message["content"] for message in prompt)
+    a, b = SUM.search(text).groups()
+    width = max(len(a), len(b))
+    return any(int(x) + int(y) >= 10 for x, y in zip(a.zfill(width), b.zfill(width), strict=True))
+
+
+def trained_prompts(preset: str, work: Path, settings: list[str], loader_state: dict) -> list[dict]:
+    """The prompt rows a run's loader handed out before it reached ``loader_state`` (its final checkpoint's)."""
+    from flows.config import load_config
+    from flows.controller.rows import dataset_rows
+    from rlworkers.data.datasets import PromptDataLoader
+
+    config = load_config(preset, [f"trainer.runs_dir={work / 'runs'}", *settings])
+    data = config.data
+    loader = PromptDataLoader(
+        dataset_rows(config, "train"), batch_size=data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
+    )
+    handed = []
+    while (loader.state.epoch, loader.state.position) != (loader_state["epoch"], loader_state["position"]):
+        handed += loader.next_batch()
+    return handed
+
+
+def by_kind(results, kind: bool):
+    """``results`` on the held-out prompts that carry (``kind`` True) or do not."""
+    from flows.lineages.evaluation import EvalResults
+
+    rows = [row for row in results.rows if carries(row["prompt"]) == kind]
+    return EvalResults(results.set, results.label, results.fingerprint, results.model, rows, results.step)
+
+
 def median_step(run_name: str) -> float:
     """The median ``timing_s/step`` of the MLflow run named ``run_name`` (its first step, the warm-up, left out)."""
     from mlflow.tracking import MlflowClient
@@ -88,7 +131,7 @@ def main() -> None:
     parser.add_argument("--config", default="demo", help="the GRPO preset (demo, or real: SmolLM2-135M-Instruct)")
     args = parser.parse_args()
 
-    from flows.lineages.evaluation import EvalResults, compare, describe, results_path
+    from flows.lineages.evaluation import EvalResults, compare, describe, details, results_path
     from flows.ops.preflight import apply_service_env
     from flows.ops.services import ServiceConfig, start_services, stop_services
     from rlworkers.checkpoint import read_json
@@ -114,24 +157,36 @@ def main() -> None:
             finals, steps = {}, {}
             for index, (way, settings) in enumerate(WAYS.items()):
                 name = f"way{index}"
-                seconds = train(
-                    "grpo", args.config, work, name, *([f"model.path={model}"] if model else []),
-                    f"trainer.total_steps={args.grpo_steps}", f"trainer.test_freq={args.grpo_steps}",
-                    f"trainer.save_freq={args.grpo_steps}", *settings,
-                )  # fmt: skip
+                steps_settings = [
+                    *([f"model.path={model}"] if model else []), f"trainer.total_steps={args.grpo_steps}",
+                    f"trainer.test_freq={args.grpo_steps}", f"trainer.save_freq={args.grpo_steps}", *settings,
+                ]  # fmt: skip
+                seconds = train("grpo", args.config, work, name, *steps_settings)
                 finals[way] = EvalResults(**read_json(results_path(str(work / "runs" / name), "final", "validation")))
                 steps[way] = median_step(name)
+                final = work / "runs" / name / "checkpoints" / f"step_{args.grpo_steps}"
+                trained = trained_prompts(
+                    args.config, work, steps_settings, read_json(final / "trainer_state.json")["loader"]
+                )
+                hard = sum(carries(row["prompt"]) for row in trained)
                 print(
-                    f"{way}: held-out accuracy {finals[way].mean:.1%} ({len(finals[way].rows)} prompts), median "
-                    f"step {steps[way]:.3f} s ({steps[way] / steps['on-policy']:.2f}x on-policy's), run "
-                    f"{seconds:.0f} s",
+                    f"{way}: held-out accuracy {finals[way].mean:.1%} ({len(finals[way].rows)} prompts; with a "
+                    f"carry {by_kind(finals[way], True).mean:.1%}, without {by_kind(finals[way], False).mean:.1%}), "
+                    f"trained on {len(trained)} prompts ({hard} with a carry), median step {steps[way]:.3f} s "
+                    f"({steps[way] / steps['on-policy']:.2f}x on-policy's), run {seconds:.0f} s",
                     flush=True,
                 )
             for way in list(WAYS)[1:]:
                 comparison = compare(
                     finals[way], finals["on-policy"], "the on-policy model", confidence=0.95, margin=0.0
                 )
-                print(f"{way}: {describe(comparison)}")
+                kinds = [
+                    f"with{'' if kind else 'out'} a carry, "
+                    + details(compare(by_kind(finals[way], kind), by_kind(finals["on-policy"], kind),
+                                      "the on-policy model", confidence=0.95, margin=0.0))
+                    for kind in (True, False)
+                ]  # fmt: skip
+                print(f"{way}: {describe(comparison)}; on the prompts {'; '.join(kinds)}")
         finally:
             stop_services(config)
 

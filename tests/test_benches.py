@@ -134,3 +134,14 @@ def test_suite_by_test_gives_a_process_to_the_test_its_pytest_process_ran_and_sh
     assert started["tests/test_b.py::test_three"]["workers"] == 0.5
     assert cpu["tests/test_b.py::test_three"]["ray"] == 1.0  # the `ray start` itself: the test that ran it
     assert cpu["tests/test_a.py::test_one"]["(wall s)"] == 100.0
+
+
+def test_the_staleness_bench_tells_a_sum_with_a_carry_from_one_without_in_both_prompt_forms():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.staleness import carries
+
+    assert not carries("12+34=") and not carries("40+5=")
+    assert carries("15+27=") and carries("9+1=") and carries("95+8=")  # units; units into a longer number
+    assert carries("50+60=") and not carries("0+0=")  # tens
+    assert carries([{"role": "user", "content": "What is 38 + 4? Reply with the number only."}])
+    assert not carries([{"role": "user", "content": "What is 21 + 3? Reply with the number only."}])
