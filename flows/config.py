@@ -181,12 +181,12 @@ Role = Literal["actor", "rollout", "ref", "critic", "reward"]
 
 class ResourcePoolConfig(_Frozen):
     """Named pools of worker processes and the pool each role runs on (verl's ``resource_pool_spec`` and
-    ``mapping``). A pool is its processes on each node: ``[4, 4]`` is two placement groups of 4 processes, each packed
-    on one node (on two nodes when no node holds both, as verl's). The rollout and the reference on the actor's pool run in the actor's
-    processes; on a pool of their own, in its processes. A critic and a reward model run in processes of their own,
-    on a pool no other role uses. The pools set what the shorter settings say for one node (trainer.n_workers,
-    rollout.n_workers, trainer.colocate_ref, reward.num_workers; a reference of several processes only so), and a
-    role not mapped keeps its section's settings."""
+    ``mapping``). A pool is its processes on each node: ``[4, 4]`` is two placement groups of 4 processes, each
+    packed on one node (on two nodes when no node holds both, as verl's). The rollout and the reference on the
+    actor's pool run in the actor's processes; on a pool of their own, in its processes. A critic and a reward model
+    run in processes of their own, on a pool no other role uses. The pools set what the shorter settings say for one
+    node (trainer.n_workers, rollout.n_workers, trainer.colocate_ref, reward.num_workers; a reference of several
+    processes only so), and a role not mapped keeps its section's settings."""
 
     spec: dict[str, list[int]] = Field(
         default_factory=dict, description="pool name -> its processes on each node, e.g. {global_pool: [2]}"
