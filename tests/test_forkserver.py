@@ -37,6 +37,7 @@ def fork_server(tmp_path_factory):
         f"runpy.run_path({warm_controller.__file__!r}, run_name='__main__')"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["_MLFLOW_TELEMETRY_SESSION_ID"] = "the-starting-process-used-mlflow"  # as `rlflow server up` from a notebook
     with open(log, "ab") as out:
         server = subprocess.Popen(
             [sys.executable, "-c", start], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -90,6 +91,8 @@ def test_a_command_whose_environment_differs_in_what_imports_read_runs_in_its_ow
     # what the child reads again (Prefect's settings), what is read when used (MLflow's), the shell's own: forked
     offset = len(log.read_text())
     differ = {"PREFECT_API_URL": "http://127.0.0.1:9/api", "MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "COLUMNS": "91"}
+    # MLflow names a telemetry session by it when a process first uses MLflow, a new one after its client is reset
+    differ["_MLFLOW_TELEMETRY_SESSION_ID"] = "a-later-session-of-the-parent"
     done = rlflow({**env, **differ}, "train", "no-such-algorithm")
     assert done.returncode == 2, done.stderr[-2000:]
     said = log_lines_since(log, offset)

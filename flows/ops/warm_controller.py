@@ -32,7 +32,11 @@ _MAY_DIFFER = {
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
     "WINDOWID", "TERM_SESSION_ID", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "TMUX_PANE", "STY", "GPG_TTY",
     "XDG_SESSION_ID", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "PYTEST_CURRENT_TEST",
+    "_MLFLOW_TELEMETRY_SESSION_ID",
 }  # fmt: skip
+# _MLFLOW_TELEMETRY_SESSION_ID only names MLflow's telemetry session: MLflow sets it when a process makes its telemetry
+# client and sets a new one when the client is made again, so a parent that used MLflow (a test process, a notebook)
+# passes the server one value and its later commands another; refusing for it refused every command of such a parent.
 
 
 def serve(path: Path) -> NoReturn:
