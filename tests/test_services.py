@@ -133,6 +133,16 @@ def test_the_prefect_server_records_task_runs_in_batches_unless_told_otherwise(s
     assert _prefect_spec(config).env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"] == "1"
 
 
+def test_the_prefect_server_runs_at_the_ray_workers_priority_and_mlflow_at_the_shells(services):
+    """The Prefect server records every task run's states while the workers train: at niceness 0 it took their
+    cores whenever it woke; at Ray's worker niceness (15) it shares them (bench/overhead.py measures the step)."""
+    import psutil
+
+    _, urls = services
+    assert psutil.Process(urls["prefect_pid"]).nice() == 15
+    assert psutil.Process(urls["mlflow_pid"]).nice() == psutil.Process().nice()
+
+
 def test_start_is_idempotent(services):
     config, urls = services
     started = time.monotonic()

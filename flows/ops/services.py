@@ -156,6 +156,7 @@ class _Spec:
     env: dict[str, str]
     log: Path
     waited_for: bool = True  # `up` waits until it answers (the controller answers once it imported everything)
+    niceness: int = 0  # its CPU priority (os.nice): 0 as the shell's, higher yields to what runs at a lower one
 
 
 def _url_host(host: str) -> str:
@@ -211,6 +212,10 @@ def _prefect_spec(config: ServiceConfig) -> _Spec:
         command,
         env,
         config.state_dir / "logs" / "prefect.log",
+        # Ray's workers run at niceness 15 (its worker_niceness): at 0 the server's recording of each task run's
+        # states took the cores from a step's training whenever it woke, on a machine whose cores the workers fill;
+        # at theirs it shares them, and what it records reaches the API as soon (docs/performance.md).
+        niceness=int(os.environ.get("RAY_worker_niceness", "15")),
     )
 
 
@@ -493,7 +498,7 @@ def _launch(spec: _Spec, cwd: Path) -> subprocess.Popen[bytes]:
         log.flush()
         # A new session: the server outlives this command and is not hit by the terminal's Ctrl-C; its pid is
         # also the id of its process group, which holds the uvicorn children that `down` must stop too.
-        return subprocess.Popen(
+        process = subprocess.Popen(
             spec.command,
             cwd=cwd,
             env=env,
@@ -502,6 +507,10 @@ def _launch(spec: _Spec, cwd: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if spec.niceness > own:  # set while its interpreter starts, before it starts a process of its own
+        os.setpriority(os.PRIO_PROCESS, process.pid, spec.niceness)
+    return process
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
