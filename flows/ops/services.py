@@ -156,7 +156,7 @@ class _Spec:
     env: dict[str, str]
     log: Path
     waited_for: bool = True  # `up` waits until it answers (the controller answers once it imported everything)
-    niceness: int = 0  # its CPU priority (os.nice): 0 as the shell's, higher yields to what runs at a lower one
+    niceness: int = 0  # its CPU priority (os.setpriority) if above the shell's: it yields to lower ones; 0: the shell's
 
 
 def _url_host(host: str) -> str:
