@@ -50,6 +50,8 @@ def kind(cmdline: str, name: str) -> str | None:
         if "Worker" in title or "Critic" in title or "Reward" in title:
             return "Ray worker actors (rlworkers)"
         return "task host and other Ray tasks"
+    if cmdline.split(" ", 1)[0].endswith(("/raylet", "/gcs_server")):  # their flags name default_worker.py
+        return "Ray's own processes"
     if "default_worker.py" in cmdline:
         return None
     if any(part in cmdline for part in RAY_SYSTEM) and "ray" in cmdline:
@@ -66,7 +68,8 @@ def kind(cmdline: str, name: str) -> str | None:
         return "PostgreSQL"
     if "chrom" in name:
         return "chromium"
-    if "pytest" in cmdline or "execnet" in cmdline or "xdist" in cmdline:
+    # pytest-xdist's worker processes are execnet's: ``python -u -c "import sys;exec(eval(sys.stdin.readline()))"``
+    if any(part in cmdline for part in ("pytest", "execnet", "xdist", "exec(eval(sys.stdin.readline()))")):
         return "test processes (pytest)"
     if "python" in name or "python" in cmdline[:80]:
         return "other Python"

@@ -108,6 +108,10 @@ def test_cpu_by_process_tells_rlflow_s_processes_apart():
     )
     assert kind("/x/.venv/bin/python -m prefect server start --host 127.0.0.1", "python") == "Prefect server"
     assert kind("/x/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray", "gcs_server") == "Ray's own processes"
+    raylet = "/x/ray/core/src/ray/raylet/raylet --python_worker_command=/x/python /x/workers/default_worker.py"
+    assert kind(raylet, "raylet") == "Ray's own processes"  # not a worker before its title, which its flags name
+    assert kind("/x/python /x/ray/_private/workers/default_worker.py --node-ip-address=1", "python") is None
+    assert kind("/x/python -u -c import sys;exec(eval(sys.stdin.readline()))", "python") == "test processes (pytest)"
 
 
 def test_suite_by_test_gives_a_process_to_the_test_its_pytest_process_ran_and_shares_the_local_rays():

@@ -17,11 +17,11 @@ from test_readme import readme_block
 # three SmolLM2 runs one after another outlast pyproject's 600 s per test on a CPU without native bf16 beside the rest
 # of the suite; the command's own limit below stays the bound
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-# one step, 4 validation answers, 4 prompts x 2 trajectories: what the commands do, not how far they train (the
-# presets' 8 x 4 trajectories of SmolLM2 took minutes a step on a CPU without native bf16)
+# one step, 2 validation answers, 2 prompts x 2 trajectories (one of each a worker): what the commands do, not how far
+# they train (the presets' 8 x 4 trajectories of SmolLM2 took minutes a step on a CPU without native bf16)
 SHORT = (
-    "trainer.total_steps=1 trainer.test_freq=1 trainer.save_freq=1 data.task.num_val=4 data.train_batch_size=4 "
-    "rollout.n=2 actor.ppo_mini_batch_size=8 actor.ppo_micro_batch_size_per_gpu=2"
+    "trainer.total_steps=1 trainer.test_freq=1 trainer.save_freq=1 data.task.num_val=2 data.train_batch_size=2 "
+    "rollout.n=2 actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size_per_gpu=2"
 )
 
 
