@@ -39,6 +39,7 @@ callers never see a half-written model; staging folders left by a killed builder
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -123,6 +124,34 @@ def _check_gguf_readers() -> None:
         )
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers reads the GGUF three times (tokenizer, config, weights), and each ``GGUFReader`` parses every
+    metadata field element by element (49,152 tokens and their merges); it also builds gguf's tensor-name table for the
+    same architecture once per module of the model. Both depend on their arguments only: each is made once here, for
+    the build (docs/performance.md says what it saves)."""
+    import functools
+    from unittest import mock
+
+    import gguf
+
+    reader, readers = gguf.GGUFReader, {}
+
+    def read(path, *args, **kwargs):
+        if args or kwargs:  # another mode than transformers' read-only one
+            return reader(path, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in readers:
+            readers[key] = reader(path)
+        return readers[key]
+
+    with (
+        mock.patch.object(gguf, "GGUFReader", read),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
+    ):
+        yield
+
+
 def create_smollm2_model(path: str | os.PathLike, *, gguf: str | os.PathLike | None = None) -> Path:
     """Convert the GGUF (default: find_smollm2_gguf()) into a float32 safetensors folder ``path`` and return it.
 
@@ -132,8 +161,9 @@ def create_smollm2_model(path: str | os.PathLike, *, gguf: str | os.PathLike | N
     gguf = Path(gguf) if gguf is not None else find_smollm2_gguf()
     _check_gguf_readers()
     start = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
 
     config = quantized.config
     del config.quantization_config  # what makes save_pretrained refuse the model
