@@ -71,9 +71,12 @@ demo-agent-env: $(STAMP)
 
 # two processes, each module (or group of modules) whole in one of them, the longest first (tests/conftest.py); a test
 # process that dies is reported and not replaced: a replacement waited for work that never came, and the run hung
+# compileall first: hundreds of the suite's processes (workers, task hosts, commands) import flows/ and rlworkers/, and
+# where PYTHONDONTWRITEBYTECODE is set (as on CI's machines) Python reads .pyc files but writes none: each compiled them
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m compileall -q flows rlworkers
 	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope --no-loadscope-reorder --max-worker-restart=0
 
 # the fast loop while changing a module (~3 min): the tests not marked slow (no servers, flows, training runs or installs)

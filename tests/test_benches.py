@@ -48,6 +48,18 @@ def test_precision_bench_prints_both_times_the_ratio_and_the_cpu():
     assert "bf16 autocast / float32: " in done.stdout, done.stdout
 
 
+def test_output_layer_bench_times_each_stage_both_ways_and_prints_the_cpu():
+    done = subprocess.run(
+        [sys.executable, "bench/output_layer.py", "--model", "tiny", "--prompt", "24", "--response", "4",
+         "--repeat", "1"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "CPU: " in done.stdout and "tiny, 4 sequences of 24 prompt + 4 response tokens" in done.stdout, done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("log-prob", "update", "sft step"))]
+    assert len(rows) == 3 and all(float(row[-1]) > 0 for row in rows), done.stdout
+
+
 def test_imports_bench_times_both_ways_and_prints_the_cpu():
     done = subprocess.run(
         [sys.executable, "bench/imports.py", "--repeat", "1", "--module", "rlworkers.models"],

@@ -199,6 +199,53 @@ def test_sft_lowers_loss(tiny_path):
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3])
 
 
+def positions_through_output_layer(model) -> list[int]:
+    """Records how many positions of each forward reach ``model``'s output layer (its sequence dimension)."""
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    return seen
+
+
+def test_the_output_layer_computes_only_the_positions_a_loss_or_log_prob_reads(tiny_path):
+    """Log-probs (actor and reference) and the SFT loss take the logits of the response positions alone
+    (transformers' ``logits_to_keep``), with the values the whole sequence's logits give."""
+    from rlworkers.workers.common import logprobs_from_logits, takes_logits_to_keep
+
+    w = ActorRolloutRefWorker(
+        worker_config(tiny_path, actor={"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8}),
+        role="actor_rollout",
+    )
+    w.init_model()
+    seen = positions_through_output_layer(w.model)
+    out = generated(w, n_prompts=4, n=2)
+    seen.clear()
+    log_probs = w.compute_log_prob(out).batch["old_log_probs"]
+    response_length, total = out.batch["responses"].shape[1], out.batch["input_ids"].shape[1]
+    assert seen == [response_length + 1] and response_length + 1 < total
+    with torch.no_grad():
+        logits = w.model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                         position_ids=out.batch["position_ids"]).logits[:, -response_length - 1 : -1]  # fmt: skip
+    torch.testing.assert_close(log_probs, logprobs_from_logits(logits, out.batch["responses"]), rtol=0, atol=1e-6)
+
+    data = sft_batch(ROWS["train"][:8], w.tokenizer)
+    mask = data.batch["loss_mask"][:, 1:]
+    with torch.no_grad():
+        logits = w.model(input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"],
+                         position_ids=data.batch["position_ids"]).logits[:, :-1]  # fmt: skip
+    expected = (-logprobs_from_logits(logits, data.batch["input_ids"][:, 1:]) * mask).sum() / mask.sum()
+    seen.clear()
+    loss = w.sft_step(data).meta_info["metrics"]["sft/loss"]
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    first_target = int(mask.any(0).nonzero()[0]) + 1  # the prompt before it is context only
+    assert seen == [data.batch["input_ids"].shape[1] - first_target + 1] and first_target > 1
+
+    class NoKeyword(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+            raise AssertionError("not called")
+
+    assert takes_logits_to_keep(w.model) and not takes_logits_to_keep(NoKeyword())
+
+
 def test_bf16_autocast_computes_in_bf16_over_float32_weights(tiny_path):
     """model.autocast=bfloat16: log-probs move by bf16 rounding (not more), the weights and AdamW's state stay float32,
     and SFT under it learns as float32 does."""
