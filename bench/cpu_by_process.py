@@ -11,8 +11,8 @@ used since the last one (at most 2 s each).
     .venv/bin/python bench/cpu_by_process.py [--every 2] [--processes FILE] -- make test
 
 ``--processes FILE`` also writes one JSON line per process (pid, parent, start and last-seen time, CPU seconds, kind,
-command line): with the timeline tests/conftest.py writes under ``RLFLOW_TEST_TIMELINE``, which test started what
-(``bench/suite_by_test.py``).
+command line, and its CPU seconds so far at the samples where it used some): with the timeline tests/conftest.py
+writes under ``RLFLOW_TEST_TIMELINE``, which test used what (``bench/suite_by_test.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+MIN_SAMPLE_CPU_S = 0.05  # a process's CPU is recorded over time when it used this much since its last record
 
 RAY_SYSTEM = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "RuntimeEnvAgent")
 
@@ -110,8 +112,11 @@ def main() -> int:
             entry = used.setdefault(key, [0.0, None])
             entry[0] = seconds
             if args.processes:
-                record = seen.setdefault(key, {"ppid": None, "cmdline": ""})
+                record = seen.setdefault(key, {"ppid": None, "cmdline": "", "samples": []})
                 record["last"] = time.time()
+                samples = record["samples"]  # [time, CPU seconds so far] whenever it used some since the last one
+                if not samples or seconds - samples[-1][1] >= MIN_SAMPLE_CPU_S:
+                    samples.append([round(record["last"], 1), round(max(seconds, 0.0), 2)])
                 if not record["cmdline"] or entry[1] is None:  # a Ray worker: until its title says what it is
                     try:
                         record["ppid"], record["cmdline"] = process.ppid(), " ".join(process.cmdline())[:300]

@@ -2,10 +2,13 @@
 with the tests' timeline tests/conftest.py writes under ``RLFLOW_TEST_TIMELINE``, and prints each module's and the
 costliest tests' CPU seconds by kind of process and how many processes of each kind they started.
 
-A process is the test's that was running, when it started, in the pytest process it descends from (a command a test
-ran, a Ray the test process started and its workers). One that descends from no test process, or from a `ray start
---head` (the session's local Ray, which the `rlflow` commands of both pytest processes join; a test's cluster), is
-shared between the tests running then, one share each.
+CPU is counted when it was used (each process's record has its CPU over time): a process's CPU between two of its
+samples is the test's that was running then in the pytest process it descends from (a command a test ran, a Ray
+the test process started and its workers; the pytest process's own: the flows a test runs in it). A process that
+descends from no test process, or from a `ray start --head` (the session's local Ray, whose kept workers both pytest
+processes' runs use; a test's cluster), shares it between the tests running then, one share each; CPU used while
+no test ran (the session's start, its end) is "(between tests)". A process is counted as started by the test that
+was running, in the same way, when it started. (Records without samples count a process's whole CPU at its start.)
 
     RLFLOW_TEST_TIMELINE=/tmp/tests.jsonl .venv/bin/python bench/cpu_by_process.py --processes /tmp/processes.jsonl \\
         -- make test
@@ -58,17 +61,26 @@ def attribute(tests: list[dict], processes: list[dict]) -> tuple[dict, dict]:
                 return None  # a Ray every test running then may use: the session's local Ray, a test's cluster
         return None
 
+    def tests_at(owner: int | None, at: float) -> list[str]:
+        found = [running(owner, at)] if owner else [running(pid, at) for pid in by_pid]
+        return [test["test"] for test in found if test]
+
     cpu = collections.defaultdict(collections.Counter)
     started = collections.defaultdict(collections.Counter)
     for process in processes:
-        if process["pid"] in test_pids:
-            continue  # a pytest process's own CPU is not sampled per test: its wall time stands in for it below
         kind = SHORT.get(process["kind"] or "Ray workers that never started", process["kind"])
-        owner = test_process_of(process["pid"])
-        owners = [running(owner, process["start"])] if owner else [running(pid, process["start"]) for pid in by_pid]
-        owners = [test["test"] for test in owners if test]
+        owner = process["pid"] if process["pid"] in test_pids else test_process_of(process["pid"])
+        samples = process.get("samples") or [[process["start"], process["cpu_s"]]]
+        before = 0.0
+        for at, seconds in samples:
+            owners = tests_at(owner, at) or ["(between tests)"]
+            for test in owners:
+                cpu[test][kind] += (seconds - before) / len(owners)
+            before = seconds
+        if process["pid"] in test_pids:
+            continue
+        owners = tests_at(owner, process["start"])
         for test in owners:
-            cpu[test][kind] += process["cpu_s"] / len(owners)
             started[test][kind] += 1 / len(owners)
     for test in tests:
         cpu[test["test"]]["(wall s)"] += test["end"] - test["start"]
@@ -89,7 +101,7 @@ def main() -> None:
     for test, kinds in cpu.items():
         modules[test.split("::")[0]].update(kinds)
         module_started[test.split("::")[0]].update(started[test])
-    kinds = ["workers", "hosts", "ray", "cli", "deploy", "idle-ray"]
+    kinds = ["pytest", "workers", "hosts", "ray", "cli", "deploy", "idle-ray"]
 
     def row(name: str, used: collections.Counter, count: collections.Counter) -> str:
         total = sum(v for k, v in used.items() if k != "(wall s)")
@@ -97,7 +109,7 @@ def main() -> None:
         return f"{used['(wall s)']:7.0f} {total:7.0f} {cells}  {name}"
 
     header = f"{'wall s':>7} {'CPU s':>7} " + "".join(f"{k + ' s/n':>12}" for k in kinds)
-    print("By module (CPU seconds of the processes its tests started / how many):")
+    print("By module (CPU seconds its tests used, by kind of process / how many processes they started):")
     print(header)
     order = sorted(modules, key=lambda m: -sum(v for k, v in modules[m].items() if k != "(wall s)"))
     for module in order:

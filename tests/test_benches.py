@@ -94,6 +94,9 @@ def test_cpu_by_process_counts_what_the_command_started_and_passes_its_exit_stat
     command = next(row for row in rows if row["cmdline"].endswith(child))  # the command, and the child it started
     burner = next(row for row in rows if row["ppid"] == command["pid"])
     assert burner["cpu_s"] >= 6 and burner["kind"] == "other Python" and burner["start"] >= command["start"], rows
+    times, seconds = zip(*burner["samples"])  # its CPU over time: rising, sample by sample
+    assert len(times) >= 8 and list(times) == sorted(times) and list(seconds) == sorted(seconds), burner["samples"]
+    assert seconds[-1] == burner["cpu_s"], burner
 
     stopped = subprocess.Popen(
         [sys.executable, "bench/cpu_by_process.py", "--every", "0.5", "--", "sleep", "60"],
@@ -150,6 +153,33 @@ def test_suite_by_test_gives_a_process_to_the_test_its_pytest_process_ran_and_sh
     assert started["tests/test_b.py::test_three"]["workers"] == 0.5
     assert cpu["tests/test_b.py::test_three"]["ray"] == 1.0  # the `ray start` itself: the test that ran it
     assert cpu["tests/test_a.py::test_one"]["(wall s)"] == 100.0
+
+
+def test_suite_by_test_counts_cpu_when_it_was_used():
+    """With each process's CPU over time (bench/cpu_by_process.py's samples), a kept worker of the local Ray is the
+    tests' running when it computed, not the one that started it; a pytest process's own CPU (the flows it runs) is
+    its running test's; what no test was running for is "(between tests)"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from suite_by_test import attribute
+
+    tests = [
+        {"test": "tests/test_a.py::test_one", "pid": 10, "start": 0.0, "end": 100.0},
+        {"test": "tests/test_a.py::test_two", "pid": 10, "start": 100.0, "end": 200.0},
+        {"test": "tests/test_b.py::test_three", "pid": 20, "start": 0.0, "end": 200.0},
+    ]
+    processes = [
+        {"pid": 10, "ppid": 1, "start": 0.0, "cpu_s": 10.0, "kind": "test processes (pytest)", "cmdline": "python -c",
+         "samples": [[50.0, 3.0], [150.0, 10.0]]},
+        {"pid": 30, "ppid": 1, "start": 0.0, "cpu_s": 1.0, "kind": "Ray's own processes",
+         "cmdline": "ray start --head"},
+        {"pid": 31, "ppid": 30, "start": 20.0, "cpu_s": 7.0, "kind": "Ray worker actors (rlworkers)",
+         "cmdline": "ray::ActorRolloutRefWorker", "samples": [[50.0, 1.0], [150.0, 5.0], [250.0, 7.0]]},
+    ]  # fmt: skip
+    cpu, started = attribute(tests, processes)
+    assert cpu["tests/test_a.py::test_one"]["pytest"] == 3.0 and cpu["tests/test_a.py::test_two"]["pytest"] == 7.0
+    assert cpu["tests/test_a.py::test_one"]["workers"] == 0.5 and cpu["tests/test_a.py::test_two"]["workers"] == 2.0
+    assert cpu["tests/test_b.py::test_three"]["workers"] == 2.5 and cpu["(between tests)"]["workers"] == 2.0
+    assert started["tests/test_a.py::test_one"]["workers"] == 0.5 and not started["tests/test_a.py::test_one"]["pytest"]
 
 
 def test_the_staleness_bench_tells_a_sum_with_a_carry_from_one_without_in_both_prompt_forms():
