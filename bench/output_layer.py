@@ -1,4 +1,4 @@
-"""What computing the output layer on the positions a loss reads saves: a worker's log-prob, update and SFT step on
+"""What computing the output layer on the response positions alone saves: a worker's log-prob and update on
 SmolLM2-135M-Instruct (a 49k vocabulary) with long prompts and short responses (an agent's: tool schemas in the
 prompt), with the logits of the response positions alone (transformers' ``logits_to_keep``, what the workers do) and
 with those of every position (what they did before), taken in turns, one thread, median of ``--repeat``.
@@ -28,32 +28,23 @@ from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E
 from rlworkers.workers.config import WorkerConfig  # noqa: E402
 
 
-def batches(args, vocab: int) -> tuple[DataProto, DataProto]:
-    """A rollout's batch (prompt + response, with old log-probs and advantages) and an SFT batch of the same
-    sequences learning their responses."""
+def rollout_batch(args, vocab: int) -> DataProto:
+    """A rollout's batch: prompt + response, with old log-probs and advantages."""
     generator = torch.Generator().manual_seed(0)
     total = args.prompt + args.response
     input_ids = torch.randint(0, vocab, (args.batch, total), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    position_ids = torch.arange(total).expand(args.batch, -1).clone()
-    response_mask = torch.ones(args.batch, args.response, dtype=torch.long)
-    rollout = DataProto.from_dict(
+    return DataProto.from_dict(
         {
             "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "position_ids": torch.arange(total).expand(args.batch, -1).clone(),
             "responses": input_ids[:, -args.response :],
-            "response_mask": response_mask,
+            "response_mask": torch.ones(args.batch, args.response, dtype=torch.long),
             "old_log_probs": torch.zeros(args.batch, args.response),
             "advantages": torch.randn(args.batch, args.response, generator=generator),
         },
         meta_info={"temperature": 1.0},
     )
-    loss_mask = torch.cat([torch.zeros(args.batch, args.prompt, dtype=torch.long), response_mask], dim=1)
-    sft = DataProto.from_dict(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "loss_mask": loss_mask}
-    )
-    return rollout, sft
 
 
 def main() -> None:
@@ -72,12 +63,8 @@ def main() -> None:
     }
     worker = ActorRolloutRefWorker(WorkerConfig.model_validate(config), role="actor")
     worker.init_model()
-    rollout, sft = batches(args, worker.model.config.vocab_size)
-    stages = {
-        "log-prob": lambda: worker.compute_log_prob(rollout),
-        "update": lambda: worker.update_actor(rollout),
-        "sft step": lambda: worker.sft_step(sft),
-    }
+    rollout = rollout_batch(args, worker.model.config.vocab_size)
+    stages = {"log-prob": lambda: worker.compute_log_prob(rollout), "update": lambda: worker.update_actor(rollout)}
     seconds = {(stage, way): [] for stage in stages for way in ("kept", "all")}
     for _ in range(args.repeat + 1):  # the first round warms up
         for stage, run in stages.items():

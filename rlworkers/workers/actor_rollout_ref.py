@@ -345,14 +345,16 @@ class ActorRolloutRefWorker(Worker):
         loss_sum = 0.0
         for i, micro in enumerate(micros):
             batch = micro.batch
-            # the targets: from the first position any row learns (left-padded prompts before it learn nothing)
-            targets = batch["loss_mask"][:, 1:].any(0).nonzero()
-            first = int(targets[0]) + 1 if len(targets) else batch["input_ids"].shape[1] - 1
             with self._maybe_no_sync(last=i == len(micros) - 1):
                 with self._autocast():
-                    logits = common.causal_lm_logits(self.module, batch, batch["input_ids"].shape[1] - first + 1)
-                nll = -common.logprobs_from_logits(logits[:, :-1], batch["input_ids"][:, first:])
-                loss = (nll * batch["loss_mask"][:, first:]).sum() / total_tokens
+                    logits = self.module(
+                        input_ids=batch["input_ids"],
+                        attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"],
+                        use_cache=False,
+                    ).logits[:, :-1]
+                nll = -common.logprobs_from_logits(logits, batch["input_ids"][:, 1:])
+                loss = (nll * batch["loss_mask"][:, 1:]).sum() / total_tokens
                 loss.backward()
             loss_sum += loss.item()
         grad_norm = self._optimizer_step(self.config.actor.optim.grad_clip)

@@ -27,21 +27,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def causal_lm_logits(model, batch: TensorDict, last: int) -> torch.Tensor:
-    """The logits of ``batch``'s last ``last`` positions, ``[B, last, V]``: a model that takes transformers'
-    ``logits_to_keep`` applies its output layer to those positions alone (the same values; with a vocabulary of
-    ~50k that layer is about a fifth of a small model's forward and backward, and the prompt's positions need none)."""
-    keep = {"logits_to_keep": last} if takes_logits_to_keep(model) else {}
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        **keep,
-    ).logits
-    return logits[:, -last:, :]
-
-
 def takes_logits_to_keep(model) -> bool:
     """Whether ``model``'s forward (under its DDP or PEFT wrapper) takes ``logits_to_keep``."""
     while True:
@@ -61,8 +46,17 @@ def _forward_takes_logits_to_keep(cls) -> bool:
 def response_logits(model, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
     """Logits that predict each response token of ``batch`` (``input_ids``, ``attention_mask``, ``position_ids``
     ``[B, P+R]`` and ``responses`` ``[B, R]``): ``[B, R, V]``, divided by the sampling temperature."""
-    response_length = batch["responses"].shape[-1]
-    return causal_lm_logits(model, batch, response_length + 1)[:, :-1, :] / temperature
+    # A model that takes transformers' ``logits_to_keep`` applies its output layer to those positions alone: the same
+    # values, and with a vocabulary of ~50k that layer is about a fifth of a small model's forward and backward.
+    keep = batch["responses"].shape[-1] + 1
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+        **({"logits_to_keep": keep} if takes_logits_to_keep(model) else {}),
+    ).logits
+    return logits[:, -keep:-1, :] / temperature
 
 
 @torch.no_grad()
