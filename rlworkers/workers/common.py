@@ -29,13 +29,10 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 def takes_logits_to_keep(model) -> bool:
     """Whether ``model``'s forward (under its DDP or PEFT wrapper) takes ``logits_to_keep``."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "get_base_model"):  # a PEFT model passes the keyword on to its base model
-            model = model.get_base_model()
-        else:
-            return _forward_takes_logits_to_keep(type(model))
+    model = unwrap(model)
+    if hasattr(model, "get_base_model"):  # a PEFT model passes the keyword on to its base model
+        model = model.get_base_model()
+    return _forward_takes_logits_to_keep(type(model))
 
 
 @functools.cache
