@@ -277,6 +277,32 @@ def test_port_conflict_names_the_port_and_the_option(tmp_path):
     assert not _pids_with_args(f"--port={config.ray_port}")
 
 
+def test_free_ports_are_outside_the_ones_ray_and_the_kernel_hand_out_and_a_non_http_answer_is_not_healthy():
+    import threading
+
+    from flows.ops.services import RAY_WORKER_PORTS
+    from flows.plumbing.servers import http_ok, http_status
+
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(RAY_WORKER_PORTS.stop <= port < ephemeral_low for port in ports), sorted(ports)
+    assert len(ports) > 40  # picked at random, not one after the other from the same start
+    with socket.socket() as squatter:  # answers like a gRPC server (HTTP/2 frames) on a port a server was meant for
+        squatter.bind(("127.0.0.1", free_port()))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+
+        def answer_in_binary():
+            for _ in range(2):
+                connection, _ = squatter.accept()
+                with connection:
+                    connection.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x04\x00\x40\x00\x00\r\n\r\n")
+
+        threading.Thread(target=answer_in_binary, daemon=True).start()
+        assert http_status(f"http://127.0.0.1:{port}/health") is None
+        assert not http_ok(f"http://127.0.0.1:{port}/api/health")
+
+
 def test_failed_start_stops_what_it_started(tmp_path):
     config = ServiceConfig(
         state_dir=tmp_path / "state",

@@ -385,8 +385,29 @@ def local_ray_command(port: int, num_cpus: int, temp_dir: str) -> list[str]:
     ]  # fmt: skip
 
 
+# Ray's worker processes listen on ports 10002-19999 (`ray start --min-worker-port/--max-worker-port`'s defaults)
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
+    """A TCP port free on 127.0.0.1 now, from the ports no process takes by itself: above Ray's worker ports and below
+    the kernel's ephemeral ones, where a socket bound to port 0 lands and where Ray picks its own at random. A port
+    from either range can be taken by another process between this call and the bind of the server it is meant for
+    (a Ray starting workers beside the suite once answered a Prefect server's health check); the kernel's pick
+    when that gap is too small."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    candidates = range(RAY_WORKER_PORTS.stop, ephemeral_low)
+    for _ in range(100 if len(candidates) >= 1000 else 0):
+        port = secrets.choice(candidates)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

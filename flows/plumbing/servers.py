@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import os
 import socket
 import urllib.error
@@ -42,6 +43,8 @@ def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | Non
     except urllib.error.HTTPError as error:
         return error.code
     except (OSError, ValueError):  # URLError, timeouts and refused connections are OSErrors
+        return None
+    except http.client.HTTPException:  # something answers there, but not in HTTP (another program's port)
         return None
 
 
