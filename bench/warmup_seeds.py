@@ -46,10 +46,10 @@ def warm_up(seed: int, steps: int, every: int, recipe: list[str], runs_dir: Path
         raise SystemExit(f"{shlex.join(command)} failed ({done.returncode}):\n{output}")
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient()
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    (run,) = client.search_runs(experiments, filter_string=f"tags.`rlflow.run_name` = '{name}'")
-    history = client.get_metric_history(run.info.run_id, "val/score/mean")
+    from flows.lineages.lineage import RunRecord
+
+    record = RunRecord.read(str(runs_dir / name))  # the run's folder names its MLflow run
+    history = MlflowClient().get_metric_history(record.mlflow_run_id, "val/score/mean")
     return sorted((m.step, m.value) for m in history)
 
 

@@ -400,14 +400,14 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768  # Linux's default
     candidates = range(RAY_WORKER_PORTS.stop, ephemeral_low)
-    for _ in range(100 if len(candidates) >= 1000 else 0):
-        port = secrets.choice(candidates)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    if len(candidates) >= 1000:
+        for port in (secrets.choice(candidates) for _ in range(100)):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

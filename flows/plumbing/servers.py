@@ -42,9 +42,8 @@ def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | Non
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
-    except (OSError, ValueError):  # URLError, timeouts and refused connections are OSErrors
-        return None
-    except http.client.HTTPException:  # something answers there, but not in HTTP (another program's port)
+    # URLError, timeouts and refused connections are OSErrors; HTTPException: an answer not in HTTP (another program)
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
