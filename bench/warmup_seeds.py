@@ -2,14 +2,15 @@
 `make demo`, and the start model of tests/test_promotion.py's lineages and test_training's GRPO) once per seed, on one
 worker as the tests' warm-up runs, with its validation (exact match on the task's held-out sums) every ``--every``
 steps; then the same with each ``--recipe`` (overrides added to the preset's). It prints, per recipe, one row per
-seed (the held-out accuracy at each validation) and the spread of the last one across seeds.
+seed (the held-out accuracy at each validation) and the spread of the last one across seeds: the model the warm-up
+ends with (with ``trainer.stop_at_val_score`` in a recipe, at the first validation that reached it).
 
 The seed orders the data (the tiny model's initial weights are the same for every seed): a run whose outcome moves a
 lot with it moves as much with the rounding of another CPU or torch, which orders the same arithmetic differently.
 
     source .rlflow/env.sh   # the servers of `rlflow server up`
     .venv/bin/python bench/warmup_seeds.py [--seeds 0 1 2 3] [--steps 700] [--every 100] [--parallel 2] \\
-        [--recipe "actor.optim.weight_decay=0.1 actor.optim.lr_scheduler=cosine"]
+        [--recipe "actor.optim.weight_decay=0.1 actor.optim.lr_scheduler=cosine trainer.stop_at_val_score=0.5"]
 
 Runs go ``--parallel`` at a time (each trains on one thread); the CPU's capability is printed beside the figures.
 """
@@ -78,9 +79,11 @@ def main() -> None:
             print("seed " + "".join(f"{step:>8}" for step in steps))
             for seed, history in histories.items():
                 print(f"{seed:>4} " + "".join(f"{value:>8.3f}" for _, value in history))
-            last = [history[-1][1] for history in histories.values()]
+            last = [history[-1][1] for history in histories.values()]  # the model each warm-up ends with
+            ends = sorted({history[-1][0] for history in histories.values()})
+            at = f"at step {ends[0]}" if len(ends) == 1 else f"at steps {ends[0]}-{ends[-1]}"
             spread = f"{min(last):.3f}-{max(last):.3f}"
-            print(f"at step {steps[-1]}: {spread} across {len(last)} seeds (median {statistics.median(last):.3f})")
+            print(f"{at}: {spread} across {len(last)} seeds (median {statistics.median(last):.3f})")
 
 
 if __name__ == "__main__":

@@ -286,6 +286,12 @@ class TrainerConfig(_Frozen):
     total_steps: int = Field(20, gt=0)
     save_freq: int = Field(10, description="checkpoint every N steps (and at the end); <= 0: only at the end")
     test_freq: int = Field(10, description="validate every N steps (and before the first and after the last)")
+    stop_at_val_score: float | None = Field(
+        None,
+        description="end training at the first validation after step 0 (every test_freq steps: none before the "
+        "last with test_freq <= 0) whose val/score/mean reaches this (Lightning's EarlyStopping stopping_threshold): "
+        "that step is the run's last, its model the one published; null: train all total_steps",
+    )
     steps_per_task: int = Field(
         1,
         ge=1,

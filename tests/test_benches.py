@@ -39,24 +39,26 @@ def test_overhead_bench_runs_both_measurements_and_prints_their_ratios(services)
 
 
 def test_warmup_seeds_bench_prints_each_seed_and_recipe_and_the_spread(services):
-    """Two 2-step warm-ups side by side (one seed, the preset and one recipe), through `rlflow train` and MLflow."""
+    """Two 2-step warm-ups side by side (one seed, the preset and one recipe), through `rlflow train` and MLflow;
+    the recipe stops at its first validation (``trainer.stop_at_val_score=0``: any score reaches it)."""
     from rlflow_cli import user_environment
 
+    recipe = "actor.optim.weight_decay=0.1 trainer.stop_at_val_score=0"
     done = subprocess.run(
-        [sys.executable, "bench/warmup_seeds.py", "--seeds", "3", "--steps", "2", "--every", "1",
-         "--recipe", "actor.optim.weight_decay=0.1"],
+        [sys.executable, "bench/warmup_seeds.py", "--seeds", "3", "--steps", "2", "--every", "1", "--recipe", recipe],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600, env=user_environment(),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "CPU: " in done.stdout, done.stdout
     tables = done.stdout.split("demo-sft ")[1:]
-    assert [table.split(":", 1)[0] for table in tables] == ["(as it is)", "actor.optim.weight_decay=0.1"], tables
-    for table in tables:
+    assert [table.split(":", 1)[0] for table in tables] == ["(as it is)", recipe], tables
+    for table, last in zip(tables, (2, 1), strict=True):
         lines = table.splitlines()
-        assert lines[1].split() == ["seed", "0", "1", "2"], table  # validations at the start and every step
+        steps = [str(step) for step in range(last + 1)]
+        assert lines[1].split() == ["seed", *steps], table  # validations at the start and every step
         row = lines[2].split()
-        assert row[0] == "3" and all(0.0 <= float(value) <= 1.0 for value in row[1:]) and len(row) == 4, table
-        assert lines[3].startswith("at step 2: ") and "across 1 seeds" in lines[3], table
+        assert row[0] == "3" and all(0.0 <= float(value) <= 1.0 for value in row[1:]) and len(row) == last + 2, table
+        assert lines[3].startswith(f"at step {last}: ") and "across 1 seeds" in lines[3], table
 
 
 def test_precision_bench_prints_both_times_the_ratio_and_the_cpu():

@@ -807,6 +807,32 @@ def test_sft_steps_in_blocks_train_as_one_step_per_task_does(env):
     assert len(losses[3]) == 7 and losses[3] == losses[1]
 
 
+@pytest.mark.parametrize("algorithm", ["sft", "grpo"])
+def test_a_validation_that_reaches_stop_at_val_score_ends_training_at_its_step(env, algorithm):
+    """trainer.stop_at_val_score: the first validation after step 0 whose val/score/mean reaches it (0: any score
+    does, so the first one, at step 2 of 7) makes its step the run's last: no step trains after it, the model of that
+    step is checkpointed and published, the checkpoint says where the run stopped, and the run asked again has
+    nothing to do. SFT in blocks of steps, GRPO with its next generation submitted ahead."""
+    name = f"{algorithm}-stop-{uuid.uuid4().hex[:6]}"
+    extra = ["trainer.total_steps=7", "trainer.test_freq=2", "trainer.save_freq=5", "trainer.stop_at_val_score=0"]
+    extra += ["trainer.steps_per_task=3"] if algorithm == "sft" else []
+    state, _ = run_flow(algorithm, small_config(env, name, *extra))
+    assert state.is_completed()
+    client, run = mlflow_run(name)
+    loss = "sft/loss" if algorithm == "sft" else "actor/pg_loss"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, loss)) == [1, 2]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/score/mean")) == [0, 2]
+    assert read_result(f"{env['runs']}/{name}")["steps"] == 2
+    checkpoints = list_checkpoints(f"{env['runs']}/{name}/checkpoints")
+    assert [step for step, _ in checkpoints] == [2]
+    saved = TrainState.from_checkpoint(read_json(f"{checkpoints[0][1]}/trainer_state.json"))
+    assert saved.step == 2 and saved.stopped_at == 2
+    again = FLOWS[algorithm].with_options(task_runner=ray_task_runner())(
+        config=small_config(env, name, *extra), return_state=True
+    )
+    assert again.is_failed() and "stopped at step 2" in again.message
+
+
 def test_invalid_config_fails_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="actor.optim.lr"):
         load_config("demo", ["actor.optim.lr=-1"])

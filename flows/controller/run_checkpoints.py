@@ -30,7 +30,7 @@ def checkpoint_root(root: str) -> str:
 def should_save(run: RunState, step: int) -> bool:
     """Every ``trainer.save_freq`` steps and at the last one (only there when ``save_freq`` <= 0)."""
     freq = run.config.trainer.save_freq
-    return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
+    return step == run.final_step or (freq > 0 and step % freq == 0)
 
 
 def save(run: RunState, step: int) -> float:

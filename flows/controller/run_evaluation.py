@@ -24,7 +24,7 @@ from rlworkers.workers.reward import RuleReward
 def should_validate(run: RunState, step: int) -> bool:
     """Every ``trainer.test_freq`` steps and at the last one (only there when ``test_freq`` <= 0)."""
     freq = run.config.trainer.test_freq
-    return step == run.config.trainer.total_steps or (freq > 0 and step % freq == 0)
+    return step == run.final_step or (freq > 0 and step % freq == 0)
 
 
 def reference_answers_fit(rows: list[dict], tokenizer, response_length: int, data) -> bool:
@@ -76,21 +76,21 @@ def validate(run: RunState, step: int) -> dict[str, float]:
     run.tracker.log_metrics(metrics, step)
     run.record_val_score(step, metrics["val/score/mean"])
     implicit = run.inputs.eval_sets[0] if run.inputs.eval_sets and run.inputs.eval_sets[0].scorer is None else None
-    if implicit and step in (0, run.config.trainer.total_steps):  # validation is the evaluation
+    if implicit and step in (0, run.final_step):  # validation is the evaluation
         record_results(run, implicit, evaluation.label_of(step), step, out, responses)
     return metrics
 
 
 def saved_results(run: RunState, label: str) -> dict[str, evaluation.EvalResults] | None:
     """The results of ``label`` on every eval set, read back from the run folder; ``None`` if one is missing."""
-    step = 0 if label == "start" else run.config.trainer.total_steps
+    step = 0 if label == "start" else run.final_step
     found = {s.name: evaluation.read_results(run.root, label, s, step) for s in run.inputs.eval_sets}
     return found if all(found.values()) else None
 
 
 def evaluate(run: RunState, step: int) -> dict[str, evaluation.EvalResults]:
-    """The model as it is at ``step`` (0: the start model, total_steps: the final one) on every eval set, each
-    read back when an earlier attempt already evaluated it (flows/lineages/evaluation.py)."""
+    """The model as it is at ``step`` (0: the start model, the run's ``final_step``: the final one) on every eval
+    set, each read back when an earlier attempt already evaluated it (flows/lineages/evaluation.py)."""
     label = evaluation.label_of(step)
     results = {}
     for eval_set in run.inputs.eval_sets:
@@ -121,7 +121,7 @@ def evaluate_model(run: RunState, uri: str, eval_set, label: str) -> evaluation.
     """Another registered model (a champion with no results made with this run's settings) on ``eval_set``, as
     this run evaluates its own: the same examples, decoding, scorer and worker count, in a rollout-only group of
     its own. The run's workers are let go first (its final model is saved by then). Read back on a restart."""
-    step = run.config.trainer.total_steps
+    step = run.final_step
     saved = evaluation.read_results(run.root, label, eval_set, step)
     if saved is not None:
         return saved

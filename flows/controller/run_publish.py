@@ -26,7 +26,7 @@ def publish(run: RunState) -> dict:
     """Evaluate the final model, save it, log (and register) it, promote it in a lineage, record the data
     cursor, and mark the run complete (``result.json``); a Prefect markdown artifact summarises it."""
     started = time.perf_counter()
-    total = run.config.trainer.total_steps
+    total = run.final_step
     if total not in run.val_scores:  # an attempt that only finishes publishing
         run_evaluation.validate(run, total)
     final = run_evaluation.evaluate(run, total)
@@ -96,7 +96,7 @@ def write_model_card(run: RunState, folder: str) -> None:
 
     config = run.config
     data = {"tags": ["rlflow", run.algorithm], **model_card_data(config.model.path)}
-    description = f"{run.algorithm} with rlflow for {config.trainer.total_steps} steps, from `{config.model.path}`."
+    description = f"{run.algorithm} with rlflow for {run.final_step} steps, from `{config.model.path}`."
     write_card(folder, data, config.trainer.run_name, description)
 
 

@@ -92,22 +92,23 @@ def _start_holding_the_lock(
     state = read_json(f"{resume[0]}/trainer_state.json") if resume else None
     if state:
         check_checkpoint_fits(resume[0], state, config, algorithm, record.model_dir if record else None)
-    if (
-        state
-        and state["step"] >= config.trainer.total_steps
-        and lineage.read_result(root)
-        and not config.trainer.republish
-    ):
+    # a run's last step: total_steps, or where a validation reached trainer.stop_at_val_score
+    last_step = (state or {}).get("stopped_at") or config.trainer.total_steps
+    if state and state["step"] >= last_step and lineage.read_result(root) and not config.trainer.republish:
         if record is not None:  # published by an older rlflow, which wrote result.json before ending the run
             from mlflow.tracking import MlflowClient
 
             if MlflowClient().get_run(record.mlflow_run_id).info.status == "RUNNING":
                 MlflowClient().set_terminated(record.mlflow_run_id, status="FINISHED")
+        if state.get("stopped_at"):
+            done = f"stopped at step {last_step}, whose validation reached trainer.stop_at_val_score,"
+            fixes = "Set trainer.republish=true to publish it again"
+        else:
+            done = f"already trained its {last_step} steps"
+            fixes = "Raise trainer.total_steps to train it further, set trainer.republish=true to publish it again"
         raise lineage.RunAlreadyComplete(
-            f"run {name!r} already trained its {config.trainer.total_steps} steps and published its result "
-            f"({root}/result.json): nothing to do. Raise trainer.total_steps to train it further, set "
-            "trainer.republish=true to publish it again, or start a new run (another trainer.run_name, or a "
-            "lineage's next run)."
+            f"run {name!r} {done} and published its result ({root}/result.json): nothing to do. {fixes}, or "
+            "start a new run (another trainer.run_name, or a lineage's next run)."
         )
 
     if record is None:  # nothing is written before the start model and the data have checked out

@@ -30,17 +30,20 @@ CLIPPED_WARNING_RATIO = 0.5  # share of responses cut by rollout.response_length
 class TrainState:
     """The controller's state that a checkpoint holds and that a resume, or the recovery from a worker fault,
     restores (the workers hold the rest: weights, optimizer, random generators): the last step done (0: none), the
-    data loader's position, the adaptive KL controller's state. ``trainer_state.json`` is this with what names the
-    run it belongs to (``RUN_FIELDS``), which a resume checks."""
+    data loader's position, the adaptive KL controller's state, and the step training stopped at when a validation
+    reached ``trainer.stop_at_val_score``. ``trainer_state.json`` is this with what names the run it belongs to
+    (``RUN_FIELDS``), which a resume checks."""
 
     step: int
     loader: dict
     kl_ctrl_state: dict | None = None
+    stopped_at: int | None = None
 
     @classmethod
     def from_checkpoint(cls, trainer_state: dict) -> TrainState:
-        """The state in a checkpoint's ``trainer_state.json`` (read as a dict)."""
-        return cls(**{f.name: trainer_state[f.name] for f in fields(cls)})
+        """The state in a checkpoint's ``trainer_state.json`` (read as a dict; one written before a field existed
+        has that field's default)."""
+        return cls(**{f.name: trainer_state[f.name] for f in fields(cls) if f.name in trainer_state})
 
 
 @dataclass
@@ -60,6 +63,7 @@ class RunState:
     groups: dict[str, RayWorkerGroup | RuleReward] = field(default_factory=dict)  # by role (see groups.build_groups)
     start_step: int = 1  # the first step left to train (after the state the run rewound to: ``rewind``)
     kl_ctrl_state: dict | None = None  # the adaptive KL controller's, after the last step (``keep_kl_ctrl_state``)
+    stopped_at: int | None = None  # the step a validation reached trainer.stop_at_val_score (``record_val_score``)
     progress: ProgressArtifact | None = None
     terminal: TerminalProgress | None = None
     last_metrics: dict = field(default_factory=dict)
@@ -81,15 +85,24 @@ class RunState:
     )
 
     # ------------------------------------------------------------------------------------------ state
+    @property
+    def final_step(self) -> int:
+        """The run's last step: ``trainer.total_steps``, or the step a validation reached
+        ``trainer.stop_at_val_score`` (``stopped_at``)."""
+        return self.stopped_at if self.stopped_at is not None else self.config.trainer.total_steps
+
     def train_state(self, step: int) -> TrainState:
         """The controller's state after ``step`` (a checkpoint's, ``run_checkpoints.save``)."""
-        return TrainState(step=step, loader=self.loader.state_dict(), kl_ctrl_state=self.kl_ctrl_state)
+        return TrainState(
+            step=step, loader=self.loader.state_dict(), kl_ctrl_state=self.kl_ctrl_state, stopped_at=self.stopped_at
+        )
 
     def rewind(self, state: TrainState) -> None:
         """Go back to ``state`` (a checkpoint's, or ``initial_state``): the data, the KL controller and the steps
         left continue from there."""
         self.loader.load_state_dict(state.loader)
         self.kl_ctrl_state = state.kl_ctrl_state
+        self.stopped_at = state.stopped_at
         self.start_step = state.step + 1
 
     def keep_kl_ctrl_state(self, state: dict | None) -> None:
@@ -105,8 +118,16 @@ class RunState:
         self.last_checkpoint = path
 
     def record_val_score(self, step: int, score: float) -> None:
-        """``val/score/mean`` of the validation at ``step`` (publishing reports the last one's)."""
+        """``val/score/mean`` of the validation at ``step`` (publishing reports the last one's). A training step's that
+        reaches ``trainer.stop_at_val_score`` makes that step the run's last (``final_step``)."""
         self.val_scores[step] = score
+        threshold = self.config.trainer.stop_at_val_score
+        if threshold is not None and 0 < step < self.final_step and score >= threshold:
+            get_run_logger().info(
+                "step %d: val/score/mean %.4f reached trainer.stop_at_val_score=%s: training stops here",
+                step, score, threshold,
+            )  # fmt: skip
+            self.stopped_at = step
 
     def note_fault(self, step: int, description: str, cut: tuple[str, float] | None) -> int:
         """Count a worker fault at ``step`` (``faults``) and the stage its time limit cut, if any (``last_cut``);

@@ -41,7 +41,7 @@ class Run(RunState):
         ``trainer.steps_per_task``); a block ends at a step that validates or saves a checkpoint. Recovery from a
         fault rewinds them to the restored checkpoint."""
         next_step, self.redo_from = self.start_step, None
-        while next_step <= self.config.trainer.total_steps:
+        while next_step <= self.final_step:
             block = [next_step]
             while len(block) < size and not self.due_after(block[-1]):
                 block.append(block[-1] + 1)
@@ -176,7 +176,7 @@ class Run(RunState):
         a validation or checkpoint is due in between (they need the workers, the data loader and the RNG as the step
         leaves them), there is no such step, or it was submitted already (``submit_stale_ahead``). ``step`` takes it
         with ``submitted_ahead``."""
-        if step <= self.config.trainer.total_steps and not self.due_after(step - 1) and step not in self.ahead:
+        if step <= self.final_step and not self.due_after(step - 1) and step not in self.ahead:
             self.ahead[step] = submit()
 
     def submit_stale_ahead(self, step: int, gen, generate: Callable[[int, list], object]) -> list:
@@ -188,7 +188,7 @@ class Run(RunState):
         actor's workers, before it changes the weights); on a rollout pool of its own, nothing (they run beside it)."""
         submitted = []
         for ahead in range(step + 1, step + self.config.async_training.staleness + 1):
-            if ahead > self.config.trainer.total_steps or self.due_after(ahead - 1):
+            if ahead > self.final_step or self.due_after(ahead - 1):
                 break
             if ahead not in self.ahead:
                 self.ahead[ahead] = generate(ahead, [self.ahead.get(ahead - 1, gen)])
@@ -199,7 +199,7 @@ class Run(RunState):
         """A rollout pool of its own: send it the weights of ``step``'s ``update`` once that ends and the generations
         in flight (which sample with the weights of before) are done; later generations wait for it
         (``rollout_ready``). Nothing to do when the actor's workers generate, or after the last step."""
-        if self.rollout_of_its_own() and step < self.config.trainer.total_steps:
+        if self.rollout_of_its_own() and step < self.final_step:
             in_flight = [future for ahead, future in self.ahead.items() if ahead > step]
             self.weights_synced = stages.sync_rollout_weights.submit(
                 self.groups["actor"], self.groups["rollout"], step, wait_for=[update, *in_flight]

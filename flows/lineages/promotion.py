@@ -86,7 +86,7 @@ def decide(config: RLConfig, tracker: Tracker, name: str, candidate: Candidate) 
         start=start,
         champion=champion,
         best=best,
-        reward_change=reward_change(config, tracker),
+        reward_change=reward_change(tracker),
         promote_if=gate.promote_if,
         confidence=gate.confidence,
         margin=gate.margin,
@@ -124,11 +124,11 @@ def start_rolled_back(client, name: str, start_uri: str) -> str | None:
     )
 
 
-def reward_change(config: RLConfig, tracker: Tracker) -> float | None:
-    """The training reward's change over the run: validation's ``val/score/mean``, final - start."""
+def reward_change(tracker: Tracker) -> float | None:
+    """The training reward's change over the run: validation's ``val/score/mean``, final (the last validation: the
+    run's last step) - start."""
     history = {m.step: m.value for m in tracker.client.get_metric_history(tracker.run_id, "val/score/mean")}
-    total = config.trainer.total_steps
-    return history[total] - history[0] if 0 in history and total in history else None
+    return history[max(history)] - history[0] if 0 in history and len(history) > 1 else None
 
 
 def ask_approval(config: RLConfig, candidate: Candidate, name: str, decision, markdown: str):

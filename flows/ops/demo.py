@@ -128,9 +128,7 @@ def _report(urls: dict, phases: list[tuple], title: str) -> None:
         name = config.trainer.run_name
         run = client.search_runs([experiment_id], filter_string=f"tags.`rlflow.run_name` = '{name}'")[0]
         history = _val_history(run.info.run_id)
-        table.add_row(
-            phase, str(config.trainer.total_steps), f"{history[0][1]:.1%}", f"{history[-1][1]:.1%}", f"{seconds:.0f} s"
-        )
+        table.add_row(phase, str(history[-1][0]), f"{history[0][1]:.1%}", f"{history[-1][1]:.1%}", f"{seconds:.0f} s")
         links.append(f"  {phase}: {urls['mlflow_ui']}/#/experiments/{experiment_id}/runs/{run.info.run_id}")
     console.print(table)
     for phase, config, _ in phases:
