@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import urllib.parse
 from collections.abc import Mapping
@@ -55,6 +56,9 @@ def use_running_services() -> None:
         )
 
 
+_MLFLOW_ANSWERED = re.compile(r"API request to endpoint (?P<endpoint>/\S+) failed with error code (?P<status>\d+) ")
+
+
 class ServerFailure(Exception):
     """A request to a server that failed after its client's retries, said in one line (``server_failure_message``)."""
 
@@ -83,6 +87,13 @@ def server_failure_message(error: BaseException) -> str | None:
         elif isinstance(error, requests.RequestException) and error.request is not None:
             url = error.request.url
             what = f"did not answer {error.request.method} {urllib.parse.urlsplit(url).path} ({error})"
+        elif type(error).__name__ == "MlflowException" and (answered := _MLFLOW_ANSWERED.match(str(error))):
+            # MLflow's client can hand back the server's last retryable answer instead of raising its retry error
+            # (then its REST layer raises this, naming only the endpoint)
+            endpoint, status = answered["endpoint"], int(answered["status"])
+            if status == 429 or status >= 500:
+                url = os.environ.get(MLFLOW_TRACKING_URI, "").rstrip("/") + endpoint
+                what = f"answered {status} to {endpoint}"
         if url:
             return name_the_server(url, what)
         error = error.__cause__ or error.__context__
