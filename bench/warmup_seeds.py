@@ -10,7 +10,8 @@ lot with it moves as much with the rounding of another CPU or torch, which order
 
     source .rlflow/env.sh   # the servers of `rlflow server up`
     .venv/bin/python bench/warmup_seeds.py [--seeds 0 1 2 3] [--steps 700] [--every 100] [--parallel 2] \\
-        [--recipe "actor.optim.weight_decay=0.1 actor.optim.lr_scheduler=cosine trainer.stop_at_val_score=0.5"]
+        [--recipe "actor.optim.weight_decay=0.1 actor.optim.lr_scheduler=cosine trainer.stop_at_val_score=0.5"] \\
+        [--recipes-only]
 
 Runs go ``--parallel`` at a time (each trains on one thread); the CPU's capability is printed beside the figures.
 """
@@ -61,11 +62,12 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100, help="trainer.test_freq: a validation every this many steps")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
     parser.add_argument("--recipe", action="append", default=[], help="overrides added to demo-sft's (repeatable)")
+    parser.add_argument("--recipes-only", action="store_true", help="leave out the preset as it is")
     args = parser.parse_args()
 
     print(f"CPU: {cpu_description()}")
     print(f"speed: {machine_speed()}")
-    recipes = [[], *(shlex.split(recipe) for recipe in args.recipe)]
+    recipes = [*([] if args.recipes_only else [[]]), *(shlex.split(recipe) for recipe in args.recipe)]
     with tempfile.TemporaryDirectory(prefix="warmup-seeds-") as runs_dir, ThreadPoolExecutor(args.parallel) as pool:
         jobs = {
             (index, seed): pool.submit(warm_up, seed, args.steps, args.every, recipe, Path(runs_dir))
