@@ -83,6 +83,19 @@ def test_output_layer_bench_times_each_stage_both_ways_and_prints_the_cpu():
     assert len(rows) == 2 and all(float(row[-1]) > 0 for row in rows), done.stdout
 
 
+def test_shared_prefix_bench_times_each_stage_both_ways_and_prints_the_cpu():
+    done = subprocess.run(
+        [sys.executable, "bench/shared_prefix.py", "--model", "tiny", "--config", "demo", "--rows", "4",
+         "--response", "4", "--repeat", "1"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "CPU: " in done.stdout and "tiny, demo's prompts: 4 sequences of up to " in done.stdout, done.stdout
+    stages = ("generate", "log-prob", "update", "sft step")
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(stages)]
+    assert len(rows) == 4 and all(float(row[-1]) > 0 for row in rows), done.stdout
+
+
 def test_imports_bench_times_both_ways_and_prints_the_cpu():
     done = subprocess.run(
         [sys.executable, "bench/imports.py", "--repeat", "1", "--module", "rlworkers.models"],

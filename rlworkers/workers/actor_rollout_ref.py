@@ -345,16 +345,26 @@ class ActorRolloutRefWorker(Worker):
         loss_sum = 0.0
         for i, micro in enumerate(micros):
             batch = micro.batch
+            # the positions from the first one that predicts a learned token: a shared prompt prefix (a system prompt,
+            # an agent's tool descriptions) before them is computed once (common.logits_sharing_prefix)
+            learned_from = batch["loss_mask"][:, 1:].any(0).nonzero()
+            keep = batch["input_ids"].shape[1] - (int(learned_from[0]) if len(learned_from) else 0)
+            shared = common.prefix_to_compute_once(self.module, batch, keep)
             with self._maybe_no_sync(last=i == len(micros) - 1):
                 with self._autocast():
-                    logits = self.module(
-                        input_ids=batch["input_ids"],
-                        attention_mask=batch["attention_mask"],
-                        position_ids=batch["position_ids"],
-                        use_cache=False,
-                    ).logits[:, :-1]
-                nll = -common.logprobs_from_logits(logits, batch["input_ids"][:, 1:])
-                loss = (nll * batch["loss_mask"][:, 1:]).sum() / total_tokens
+                    if shared:
+                        logits = common.logits_sharing_prefix(self.module, batch, shared, keep)[:, :-1]
+                    else:
+                        keep = batch["input_ids"].shape[1]  # every position, as without a shared prefix
+                        logits = self.module(
+                            input_ids=batch["input_ids"],
+                            attention_mask=batch["attention_mask"],
+                            position_ids=batch["position_ids"],
+                            use_cache=False,
+                        ).logits[:, :-1]
+                targets, learned = batch["input_ids"][:, 1 - keep :], batch["loss_mask"][:, 1 - keep :]
+                nll = -common.logprobs_from_logits(logits, targets)
+                loss = (nll * learned).sum() / total_tokens
                 loss.backward()
             loss_sum += loss.item()
         grad_norm = self._optimizer_step(self.config.actor.optim.grad_clip)

@@ -40,12 +40,23 @@ def _forward_takes_logits_to_keep(cls) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+# Fewer shared prompt tokens than this are computed in every row: sharing them would save too little.
+MIN_SHARED_PREFIX = 16
+
+
 def response_logits(model, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
     """Logits that predict each response token of ``batch`` (``input_ids``, ``attention_mask``, ``position_ids``
-    ``[B, P+R]`` and ``responses`` ``[B, R]``): ``[B, R, V]``, divided by the sampling temperature."""
+    ``[B, P+R]`` and ``responses`` ``[B, R]``): ``[B, R, V]``, divided by the sampling temperature.
+
+    Where every row's prompt starts with the same tokens (a system prompt, an agent's tool descriptions), they are
+    computed once (``logits_sharing_prefix``): the same values to rounding, the gradient of the shared tokens the
+    sum of every row's."""
+    keep = batch["responses"].shape[-1] + 1
+    shared = prefix_to_compute_once(model, batch, keep)
+    if shared:
+        return logits_sharing_prefix(model, batch, shared, keep)[:, :-1, :] / temperature
     # A model that takes transformers' ``logits_to_keep`` applies its output layer to those positions alone: the same
     # values, and with a vocabulary of ~50k that layer is about a fifth of a small model's forward and backward.
-    keep = batch["responses"].shape[-1] + 1
     logits = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -54,6 +65,97 @@ def response_logits(model, batch: TensorDict, temperature: float = 1.0) -> torch
         **({"logits_to_keep": keep} if takes_logits_to_keep(model) else {}),
     ).logits
     return logits[:, -keep:-1, :] / temperature
+
+
+def prefix_to_compute_once(model, batch: TensorDict, keep: int) -> int:
+    """How many prompt tokens every row of ``batch`` starts with and ``model`` should compute once, for the logits
+    of the last ``keep`` positions (``logits_sharing_prefix``); 0: compute the rows as they are."""
+    input_ids = batch["input_ids"]
+    shared = shared_prompt_prefix(input_ids, batch["attention_mask"], input_ids.shape[1] - keep + 1)
+    return shared if shared >= MIN_SHARED_PREFIX and _sharing_pays(model, input_ids.shape, shared) else 0
+
+
+def shared_prompt_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> int:
+    """How many tokens every row's prompt (its first ``prompt_length`` columns) starts with after its left padding,
+    leaving each row at least one prompt token of its own (whose logits predict its first response token); 0 for a
+    single row or prompts that are not left-padded."""
+    rows = input_ids.shape[0]
+    if rows < 2:
+        return 0
+    pads = _left_pads(attention_mask)
+    real = attention_mask[:, :prompt_length].sum(1)
+    if not bool((pads + real == prompt_length).all()):  # padding inside a prompt: not this layout
+        return 0
+    longest = int(real.min()) - 1
+    if longest < 1:
+        return 0
+    offsets = pads.unsqueeze(1) + torch.arange(longest, device=input_ids.device)
+    starts = input_ids.gather(1, offsets)
+    differs = (starts != starts[:1]).any(0).nonzero()
+    return int(differs[0]) if len(differs) else longest
+
+
+def _sharing_pays(model, shape: torch.Size, shared: int) -> bool:
+    """Whether one sequence of the prefix and every row's rest costs less than the rows: it has fewer tokens, but
+    its attention spans all of it. A token's layers cost about 6 x hidden size query-key pairs of attention. Only
+    under PyTorch's SDPA attention, which takes the boolean mask the sequence needs."""
+    config = getattr(unwrap(model), "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(config, "hidden_size", None):
+        return False
+    rows, length = shape
+    packed = shared + rows * (length - shared)
+    per_token = 6 * config.hidden_size
+    return packed * per_token + packed**2 < 0.9 * (rows * length * per_token + rows * length**2)
+
+
+def logits_sharing_prefix(model, batch: TensorDict, shared: int, keep: int) -> torch.Tensor:
+    """The logits of every row's last ``keep`` positions (``[B, keep, V]``) from one sequence: the ``shared``
+    prompt tokens once, then each row without them, each row's tokens attending to the prefix and to their own
+    row's earlier tokens alone, at the positions they have in the row. One forward and one backward, as any batch:
+    DDP, FSDP2 and gradient checkpointing see nothing else."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    rows, length = input_ids.shape
+    width, device = length - shared, input_ids.device
+    pads = _left_pads(attention_mask)
+    columns = columns_after_prefix(attention_mask, shared)
+    rest = attention_mask.gather(1, columns).bool()
+    sequence = torch.cat([input_ids[0, pads[0] : pads[0] + shared], input_ids.gather(1, columns).flatten()])
+    positions = torch.cat([torch.arange(shared, device=device), batch["position_ids"].gather(1, columns).flatten()])
+    size = shared + rows * width
+    allowed = torch.zeros(size, size, dtype=torch.bool, device=device)
+    allowed[:shared, :shared] = torch.ones(shared, shared, dtype=torch.bool, device=device).tril()
+    own = torch.ones(width, width, dtype=torch.bool, device=device).tril() & rest.unsqueeze(1) & rest.unsqueeze(2)
+    own |= torch.eye(width, dtype=torch.bool, device=device)  # a padding token attends to itself: never to nothing
+    for row in range(rows):
+        start = shared + row * width
+        allowed[start : start + width, start : start + width] = own[row]
+        allowed[start : start + width, :shared] = rest[row].unsqueeze(1)
+    wanted = (
+        shared
+        + torch.arange(rows, device=device).unsqueeze(1) * width
+        + torch.arange(width - keep, width, device=device)
+    )
+    wanted = wanted.flatten()
+    takes = takes_logits_to_keep(model)
+    logits = model(
+        input_ids=sequence.unsqueeze(0),
+        attention_mask=allowed[None, None],
+        position_ids=positions.unsqueeze(0),
+        use_cache=False,
+        **({"logits_to_keep": wanted} if takes else {}),
+    ).logits
+    return (logits[0] if takes else logits[0, wanted]).view(rows, keep, -1)
+
+
+def columns_after_prefix(attention_mask: torch.Tensor, shared: int) -> torch.Tensor:
+    """Each row's columns but its copy of the ``shared`` prefix: its left padding, then its rest. ``[B, T - shared]``"""
+    rows, length = attention_mask.shape
+    columns = torch.arange(length - shared, device=attention_mask.device).unsqueeze(0).expand(rows, -1)
+    return columns + shared * (columns >= _left_pads(attention_mask).unsqueeze(1))
+
+
+def _left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask == 0).long().cumprod(1).sum(1)
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ import torch
 
 from rlworkers.data.batching import left_pad
 from rlworkers.protocol import DataProto
+from rlworkers.workers import common
 from rlworkers.workers.common import logprobs_from_logits
 from rlworkers.workers.config import RolloutConfig
 from rlworkers.workers.rollout import SamplingRequest, TurnOutput, rollout_output, sampling_request, stop_token_ids
@@ -62,9 +63,11 @@ class HFRollout:
         do_sample, temperature = request.do_sample, request.temperature
         was_training = self.model.training
         self.model.eval()
+        input_ids, attention_mask, cached = self._prefix_computed_once(input_ids, attention_mask)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            **cached,
             max_new_tokens=response_length,
             do_sample=do_sample,
             temperature=temperature if do_sample else None,
@@ -87,3 +90,24 @@ class HFRollout:
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         log_probs = logprobs_from_logits(logits, responses) * response_mask
         return responses, response_mask, log_probs
+
+    def _prefix_computed_once(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Where every row's prompt starts with the same tokens (a system prompt, an agent's tool descriptions), their
+        keys and values computed once for every row, and the rows laid out as that prefix, then each row's left
+        padding and the rest of its prompt: ``generate`` continues from those keys and values. Not in lockstep
+        (``synced_gpus``), where every rank must run the same forwards."""
+        shared = common.shared_prompt_prefix(input_ids, attention_mask, input_ids.shape[1])
+        if self.synced_gpus or shared < common.MIN_SHARED_PREFIX:
+            return input_ids, attention_mask, {}
+        rows = input_ids.shape[0]
+        start = int((attention_mask[0] == 0).sum())  # row 0's left padding (shared: the prompts are left-padded)
+        prefix = input_ids[0, start : start + shared].unsqueeze(0)
+        kept = {"logits_to_keep": 1} if common.takes_logits_to_keep(self.model) else {}
+        cache = self.model(input_ids=prefix, use_cache=True, **kept).past_key_values
+        cache.batch_repeat_interleave(rows)
+        columns = common.columns_after_prefix(attention_mask, shared)
+        input_ids = torch.cat([prefix.expand(rows, -1), input_ids.gather(1, columns)], dim=1)
+        attention_mask = torch.cat([attention_mask.new_ones(rows, shared), attention_mask.gather(1, columns)], dim=1)
+        return input_ids, attention_mask, {"past_key_values": cache}
