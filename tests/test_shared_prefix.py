@@ -213,3 +213,39 @@ def test_an_sft_step_computes_a_shared_prefix_once_and_learns_what_every_row_com
     assert shared_seen == [(1, 20 + 3 * (width - 20))] and each_seen == [(3, width)]
     assert shared_loss == pytest.approx(each_loss, rel=1e-5)
     torch.testing.assert_close(shared_weights, each_weights, rtol=1e-3, atol=1e-5)  # Adam: a step of ~lr each
+
+
+def test_a_lora_adapter_sees_the_shared_prefix_computed_once_with_the_same_logits_and_gradients(tiny_path, monkeypatch):
+    """Under peft's wrapper (``actor.lora``) the one sequence, its block mask and the positions to keep reach the
+    base model: the adapter's logits and its gradients are those of every row computing the prefix."""
+    from rlworkers.models import lora
+
+    torch.manual_seed(0)
+    adapter = lora.lora_config(4, 8.0, 0.0, "all-linear")
+    model = lora.attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_path), adapter)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
+                param.normal_(0, 0.05)
+    batch = rollout([PREFIX + tail for tail in TAILS])
+    seen = embedded_shapes(model.get_base_model())
+
+    def adapter_logits_and_gradients():
+        model.zero_grad()
+        logits = common.response_logits(model, batch, temperature=0.7)
+        mask = (batch["responses"] != 0).float()
+        (common.logprobs_from_logits(logits, batch["responses"]) * mask).sum().backward()
+        grads = [p.grad.flatten() for p in model.parameters() if p.requires_grad]
+        return logits.detach(), torch.cat(grads)
+
+    shared = adapter_logits_and_gradients()
+    width = batch["input_ids"].shape[1]
+    assert seen == [(1, 20 + 3 * (width - 20))]
+    monkeypatch.setattr(common, "MIN_SHARED_PREFIX", 10**6)
+    seen.clear()
+    each = adapter_logits_and_gradients()
+    assert seen == [(3, width)]
+    response = (batch["responses"] != 0).unsqueeze(-1).expand_as(shared[0])
+    torch.testing.assert_close(shared[0][response], each[0][response], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1], each[1], rtol=1e-3, atol=1e-5)
+    assert each[1].abs().sum() > 0
