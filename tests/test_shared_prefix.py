@@ -249,3 +249,40 @@ def test_a_lora_adapter_sees_the_shared_prefix_computed_once_with_the_same_logit
     torch.testing.assert_close(shared[0][response], each[0][response], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared[1], each[1], rtol=1e-3, atol=1e-5)
     assert each[1].abs().sum() > 0
+
+
+def test_the_critic_computes_a_shared_prefix_once_with_the_values_and_the_update_of_every_row_computing_it(
+    tiny_path, monkeypatch
+):
+    """PPO's value model (a one-output token head, whose forward takes no ``logits_to_keep``): its values, and its
+    weights after an update, those of computing the prefix in every row."""
+    from rlworkers.protocol import DataProto
+    from rlworkers.workers.critic import CriticWorker
+
+    batch = rollout([PREFIX + tail for tail in TAILS])
+    response_mask = (batch["responses"] != 0).long()
+    data = DataProto.from_dict({**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")},
+                                "response_mask": response_mask})  # fmt: skip
+    config = {"ppo_mini_batch_size": 3, "ppo_micro_batch_size_per_gpu": 3}
+    results = []
+    for minimum in (common.MIN_SHARED_PREFIX, 10**6):
+        monkeypatch.setattr(common, "MIN_SHARED_PREFIX", minimum)
+        critic = CriticWorker(config, {"path": tiny_path})
+        critic.init_model()
+        for module in critic.model.modules():
+            if isinstance(module, torch.nn.Dropout):  # the token head's dropout would draw other masks for the shapes
+                module.p = 0.0
+        seen = embedded_shapes(critic.model)
+        values = critic.compute_values(data).batch["values"]
+        data.batch["values"], data.batch["returns"] = values, values + torch.linspace(-1, 1, values.shape[1])
+        loss = critic.update_critic(data).meta_info["metrics"]["critic/vf_loss"]
+        results.append((values, loss, seen, torch.cat([p.detach().flatten() for p in critic.model.parameters()])))
+    (shared_values, shared_loss, shared_seen, shared_weights), (each_values, each_loss, each_seen, each_weights) = (
+        results
+    )
+    width = batch["input_ids"].shape[1]
+    assert shared_seen == [(1, 20 + 3 * (width - 20))] * 2 and each_seen == [(3, width)] * 2  # values, then update
+    assert each_values.abs().sum() > 0 and (each_values[response_mask == 0] == 0).all()
+    torch.testing.assert_close(shared_values, each_values, rtol=0, atol=1e-5)
+    assert shared_loss == pytest.approx(each_loss, rel=1e-5)
+    torch.testing.assert_close(shared_weights, each_weights, rtol=1e-3, atol=1e-5)

@@ -60,15 +60,21 @@ class CriticWorker(Worker):
         self.lr_scheduler = common.build_lr_scheduler(self.optimizer, self.config.optim)
 
     def _values(self, module, batch) -> torch.Tensor:
-        response_length = batch["responses"].shape[-1]
+        keep = batch["responses"].shape[-1] + 1
+        # the values at the positions that predict the response tokens (and the one after); a prompt start every row
+        # shares is computed once, as in the actor's forwards
+        shared = common.prefix_to_compute_once(module, batch, keep)
         with common.autocast(self.model_config, self.device):  # model.autocast: mixed precision, as the actor's
-            out = module(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"],
-                use_cache=False,
-            ).logits.squeeze(-1)
-        return out.float()[:, -response_length - 1 : -1] * batch["response_mask"]
+            if shared:
+                out = common.logits_sharing_prefix(module, batch, shared, keep).squeeze(-1)
+            else:
+                out = module(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"],
+                    use_cache=False,
+                ).logits.squeeze(-1)[:, -keep:]
+        return out.float()[:, :-1] * batch["response_mask"]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
