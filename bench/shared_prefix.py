@@ -1,8 +1,9 @@
 """What computing a shared prompt prefix once saves: a worker's generation (HF, greedy), log-prob, update and SFT
-step on SmolLM2-135M-Instruct with the agent preset's prompts (its tool described in the system prompt, ~220 tokens
-every prompt starts with), the prefix computed once per batch or micro-batch (what the workers do:
-``rlworkers.workers.common.logits_sharing_prefix``, ``rlworkers.workers.rollout.hf_rollout``) and in every row (what
-they did before), taken in turns, one thread, median of ``--repeat``.
+step, and PPO's critic's values and update, on SmolLM2-135M-Instruct with the agent preset's prompts (its tool
+described in the system prompt, ~220 tokens every prompt starts with), the prefix computed once per batch or
+micro-batch (what the workers do: ``rlworkers.workers.common.logits_sharing_prefix``,
+``rlworkers.workers.rollout.hf_rollout``) and in every row (what they did before), taken in turns, one thread, median
+of ``--repeat``.
 
     .venv/bin/python bench/shared_prefix.py [--model smollm2-135m-instruct] [--config agent] [--rows 8]
         [--response 64] [--repeat 3]
@@ -31,6 +32,7 @@ from rlworkers.protocol import DataProto  # noqa: E402
 from rlworkers.workers import common  # noqa: E402
 from rlworkers.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 from rlworkers.workers.config import WorkerConfig  # noqa: E402
+from rlworkers.workers.critic import CriticWorker  # noqa: E402
 
 
 def prompts_batch(args, config, tokenizer) -> DataProto:
@@ -42,7 +44,7 @@ def prompts_batch(args, config, tokenizer) -> DataProto:
 
 
 def rollout_batch(args, prompts: DataProto, tokenizer) -> DataProto:
-    """The prompts, each with a random response, old log-probs and advantages."""
+    """The prompts, each with a random response, old log-probs, advantages, values and returns."""
     generator = torch.Generator().manual_seed(0)
     responses = torch.randint(0, len(tokenizer), (args.rows, args.response), generator=generator)
     input_ids = torch.cat([prompts.batch["input_ids"], responses], dim=1)
@@ -56,6 +58,8 @@ def rollout_batch(args, prompts: DataProto, tokenizer) -> DataProto:
             "response_mask": torch.ones_like(responses),
             "old_log_probs": torch.zeros(args.rows, args.response),
             "advantages": torch.randn(args.rows, args.response, generator=generator),
+            "values": torch.zeros(args.rows, args.response),
+            "returns": torch.randn(args.rows, args.response, generator=generator),
             "loss_mask": torch.cat([torch.zeros_like(prompts.batch["input_ids"]), torch.ones_like(responses)], dim=1),
         },
         meta_info={"temperature": 1.0},
@@ -82,6 +86,8 @@ def main() -> None:
     }
     worker = ActorRolloutRefWorker(WorkerConfig.model_validate(worker_config), role="actor_rollout")
     worker.init_model()
+    critic = CriticWorker(worker_config["actor"], worker_config["model"])
+    critic.init_model()
     prompts = prompts_batch(args, config, worker.tokenizer)
     rollout = rollout_batch(args, prompts, worker.tokenizer)
     first = rollout.batch[:4]
@@ -93,6 +99,8 @@ def main() -> None:
         "log-prob": lambda: worker.compute_log_prob(rollout),
         "update": lambda: worker.update_actor(rollout),
         "sft step": lambda: worker.sft_step(rollout),
+        "values": lambda: critic.compute_values(rollout),
+        "critic update": lambda: critic.update_critic(rollout),
     }
     ways = {"every row": 10**9, "shared once": common.MIN_SHARED_PREFIX}
     seconds = {(stage, way): [] for stage in stages for way in ways}
@@ -108,10 +116,10 @@ def main() -> None:
     print(f"speed: {machine_speed()}")
     print(f"{args.model}, {args.config}'s prompts: {args.rows} sequences of up to {prompt} prompt + {args.response} "
           f"response tokens, micro-batches of 4; shared prefix {shared} tokens")  # fmt: skip
-    print(f"{'stage':10} {'every row s':>12} {'shared once s':>14} {'ratio':>7}")
+    print(f"{'stage':13} {'every row s':>12} {'shared once s':>14} {'ratio':>7}")
     for stage in stages:
         each, once = (statistics.median(seconds[(stage, way)][1:]) for way in ways)
-        print(f"{stage:10} {each:12.2f} {once:14.2f} {once / each:7.2f}")
+        print(f"{stage:13} {each:12.2f} {once:14.2f} {once / each:7.2f}")
 
 
 if __name__ == "__main__":

@@ -91,9 +91,9 @@ def test_shared_prefix_bench_times_each_stage_both_ways_and_prints_the_cpu():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "CPU: " in done.stdout and "tiny, demo's prompts: 4 sequences of up to " in done.stdout, done.stdout
-    stages = ("generate", "log-prob", "update", "sft step")
+    stages = ("generate", "log-prob", "update", "sft step", "values", "critic update")
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith(stages)]
-    assert len(rows) == 4 and all(float(row[-1]) > 0 for row in rows), done.stdout
+    assert len(rows) == 6 and all(float(row[-1]) > 0 for row in rows), done.stdout
 
 
 def test_imports_bench_times_both_ways_and_prints_the_cpu():
